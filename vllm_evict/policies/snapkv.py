@@ -1,0 +1,57 @@
+"""SnapKV (Li et al., 2024): attention from an observation window of recent queries, pooled along
+the token axis; the window's own tokens are always kept.
+
+Defaults follow the CAOTE/KeyDiff harness (spec caote.md §3.1, keydiff.md §8): window 32 queries,
+average pooling with kernel 7, the 32 most recent tokens protected, GQA group mean.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from vllm_evict.policies.attention import attention_column_sums, pool_in_position_order
+from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
+from vllm_evict.policies.options import check_choice, check_int, check_odd_kernel
+
+
+class SnapKV(Policy):
+    name = "snapkv"
+    summary = "pooled attention from the last `window` queries; the window's tokens are always kept"
+    paper = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation (2024)"
+    one_shot = True
+    is_attention_mass = True
+    defaults = {"window": 32, "kernel": 7, "pooling": "avg", "sinks": 0}
+
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    def check_options(self) -> None:
+        check_int("window", self.window, minimum=1)
+        check_odd_kernel("kernel", self.kernel)
+        check_choice("pooling", self.pooling, ("avg", "max", "none"))
+        check_int("sinks", self.sinks)
+
+    def protected_count(self, budget: int) -> int:
+        return self.window + self.sinks
+
+    def window_mass(self, inp: EvictionInputs) -> Tensor:
+        """Attention of the window queries summed over the window, GQA group mean: [H_kv, n]."""
+        sums = attention_column_sums(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)
+        return sums.mean(dim=1)
+
+    def attention_mass(self, inp: EvictionInputs) -> Tensor:
+        """Pooled over the whole token axis, window tokens included, so the mass is finite everywhere:
+        CAOTE needs that for its normalisation (caote.md §3.1)."""
+        return pool_in_position_order(self.window_mass(inp), inp.positions, self.kernel, self.pooling)
+
+    def protected_mask(self, inp: EvictionInputs) -> Tensor:
+        return recent_mask(inp.positions, self.window) | sink_mask(inp.positions, self.sinks)
+
+    def scores(self, inp: EvictionInputs) -> Tensor:
+        """As the original SnapKV: only the tokens before the window are scored and pooled (zeroing
+        the window before zero-padded pooling is the same thing), the window is kept outright."""
+        protected = self.protected_mask(inp)
+        raw = self.window_mass(inp).masked_fill(recent_mask(inp.positions, self.window), 0.0)
+        pooled = pool_in_position_order(raw, inp.positions, self.kernel, self.pooling)
+        return protect(pooled, protected)
