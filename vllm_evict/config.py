@@ -39,6 +39,9 @@ def parse_spec(spec: Any) -> tuple[str | None, str]:
         raise ValueError(f"{parts[0]} is a meta score and needs a base, e.g. '{parts[0]}+snapkv'; {valid_specs()}")
     if len(parts) > 2 or (len(parts) == 2 and parts[1] in META_POLICIES):
         raise ValueError(f"invalid eviction policy {spec!r}: at most one meta score over one base; {valid_specs()}")
+    if len(parts) == 2 and parts[0] in BASE_POLICIES and parts[1] in BASE_POLICIES:
+        raise ValueError(f"invalid eviction policy {spec!r}: {parts[0]} is a base, not a meta score; write "
+                         f"META+BASE with META one of {', '.join(META_POLICIES)}; {valid_specs()}")
     unknown = [p for p in parts if p not in BASE_POLICIES and p not in META_POLICIES]
     name = unknown[0] if unknown else spec
     raise ValueError(f"unknown eviction policy {name!r} in {spec!r}; {valid_specs()}")
@@ -83,6 +86,9 @@ class EvictionConfig:
         if not isinstance(mapping, Mapping):
             raise ValueError(f"eviction config must be a JSON object, got {mapping!r}")
         data = dict(mapping)
+        bad = [k for k in data if not isinstance(k, str) or k in ("cls", "spec")]
+        if bad:
+            raise ValueError(f"unknown option {bad[0]!r} in the eviction config")
         if "policy" not in data:
             raise ValueError(f"eviction config needs a 'policy' ({valid_specs()})")
         spec = data.pop("policy")
@@ -113,7 +119,7 @@ def build_policy(meta: str | None, base: str, options: Mapping[str, Any]) -> Pol
     base_cls = load_class(base)
     meta_cls = load_class(meta) if meta else None
     if meta_cls is not None and not meta_cls.accepts(base_cls):
-        valid = ", ".join(b for b in BASE_POLICIES if meta_cls.accepts(load_class(b)))
+        valid = ", ".join(_accepting_bases(meta_cls))
         raise ValueError(f"{meta} cannot wrap {base}: it needs a base whose score is a non-negative "
                          f"attention mass; valid bases for {meta}: {valid}")
     meta_keys = set(meta_cls.defaults) if meta_cls else set()
@@ -132,8 +138,22 @@ def build_policy(meta: str | None, base: str, options: Mapping[str, Any]) -> Pol
     return meta_policy
 
 
+def _accepting_bases(meta_cls: type[Policy]) -> list[str]:
+    """Registered bases ``meta_cls`` can wrap (for messages; a base whose module fails to import is skipped)."""
+    names = []
+    for name in BASE_POLICIES:
+        try:
+            base_cls = load_class(name)
+        except (ImportError, AttributeError):
+            continue
+        if meta_cls.accepts(base_cls):
+            names.append(name)
+    return names
+
+
 def _describe_protected(policy: Policy) -> str:
-    parts = [f"{k} {policy.options[k]}" for k in ("sinks", "window", "recent", "proxy") if k in policy.options]
+    options = getattr(policy, "base", policy).options  # a meta score protects what its base protects
+    parts = [f"{k} {options[k]}" for k in ("sinks", "window", "recent", "proxy") if k in options]
     return " + ".join(parts) if parts else "its protected tokens"
 
 
@@ -153,6 +173,9 @@ def resolve_request_config(server: Mapping[str, Any] | None, extra_args: Mapping
     if not extra:
         return EvictionConfig.from_mapping(server) if server else None
     if server is None:
+        requested = extra.get("kv_eviction")
+        if set(extra) == {"kv_eviction"} and isinstance(requested, str) and requested.strip().lower() in DISABLED:
+            return None  # turning off what is already off
         raise ValueError("this server runs without KV eviction, so kv_eviction/kv_budget cannot be set per "
                          "request; start it with --kv-eviction POLICY --kv-budget N")
     policy = extra.get("kv_eviction", server.get("policy"))
@@ -161,18 +184,18 @@ def resolve_request_config(server: Mapping[str, Any] | None, extra_args: Mapping
             raise ValueError("kv_eviction 'none' turns eviction off for this request; drop kv_budget and "
                              "kv_eviction_config")
         return None
-    data = dict(server)
-    if "kv_eviction" in extra and parse_spec(policy) != parse_spec(server.get("policy")):
-        # Another method: the server's method-specific options may not apply; keep engine-level knobs.
-        data = {k: v for k, v in server.items() if k in ENGINE_OPTIONS and k != "schedule" or k == "budget"}
-    data["policy"] = policy
-    if "kv_budget" in extra:
-        data["budget"] = extra["kv_budget"]
-    overrides = extra.get("kv_eviction_config", {})
-    if not isinstance(overrides, Mapping):
-        raise ValueError(f"kv_eviction_config must be a JSON object, got {overrides!r}")
-    data.update(overrides)
     try:
+        data = dict(server)
+        if "kv_eviction" in extra and parse_spec(policy) != parse_spec(server.get("policy")):
+            # Another method: the server's method-specific options may not apply; keep engine-level knobs.
+            data = {k: v for k, v in server.items() if (k in ENGINE_OPTIONS and k != "schedule") or k == "budget"}
+        data["policy"] = policy
+        if "kv_budget" in extra:
+            data["budget"] = extra["kv_budget"]
+        overrides = extra.get("kv_eviction_config", {})
+        if not isinstance(overrides, Mapping):
+            raise ValueError(f"kv_eviction_config must be a JSON object, got {overrides!r}")
+        data.update(overrides)
         return EvictionConfig.from_mapping(data)
     except ValueError as err:
         raise ValueError(f"invalid per-request KV eviction settings: {err}") from None

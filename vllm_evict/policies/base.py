@@ -48,6 +48,7 @@ class EvictionInputs:
     layer: int = 0
     seed: int = 0  # per-request seed; policies derive per-(layer, head) streams from it
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
+    budget: int | None = None  # tokens this step keeps per head (None: no eviction); set by ``step``
 
     @property
     def num_kv_heads(self) -> int:
@@ -147,6 +148,7 @@ class Policy(ABC):
 
     def step(self, inp: EvictionInputs, budget: int | None) -> StepResult:
         """One step for one layer: update state, and if ``budget`` is given, choose the survivors."""
+        inp = replace(inp, budget=budget)
         state = self.update_state(inp) if (self.needs_every_step or budget is not None) else inp.state
         if budget is None or budget >= inp.num_tokens:
             return StepResult(state=state, keep=None)

@@ -1,0 +1,69 @@
+"""Helpers for tests that run the real vLLM V1 engine on CPU, in process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+# In-process engine: fast start-up, and the scheduler and runner can be inspected directly.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+BLOCK = 32
+PAGE_BYTES_TINY = 2 * 2 * 32 * 2 * 4 * BLOCK  # layers * kv heads * head_dim * (K, V) * fp32 * tokens
+
+
+def make_llm(model: str, eviction: dict[str, Any] | None = None, *, pages: int = 512, **overrides: Any) -> LLM:
+    kwargs: dict[str, Any] = dict(
+        model=model, dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=4,
+        max_num_batched_tokens=64, block_size=BLOCK, kv_cache_memory_bytes=pages * PAGE_BYTES_TINY,
+        seed=0, enable_prefix_caching=False)
+    kwargs.update(overrides)
+    if eviction is not None:
+        kwargs["additional_config"] = {"kv_eviction": eviction}
+    return LLM(**kwargs)
+
+
+@dataclass
+class Engine:
+    llm: LLM
+
+    @property
+    def core(self) -> Any:
+        return self.llm.llm_engine.engine_core.engine_core
+
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
+
+    @property
+    def runner(self) -> Any:
+        return self.core.model_executor.driver_worker.worker.model_runner
+
+    def free_pages(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def total_pages(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # minus the null page
+
+    def pages_of(self, request_id: str) -> int:
+        return len(self.scheduler.attention_manager.req_to_blocks.get(request_id, ()))
+
+
+def greedy(max_tokens: int, **extra_args: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True,
+                          extra_args=extra_args or None)
+
+
+def token_prompt(length: int, offset: int = 1, vocab: int = 500) -> dict[str, list[int]]:
+    """Deterministic, varied token ids (the tiny model has no meaningful text)."""
+    return {"prompt_token_ids": [(offset + 37 * i + (i * i) % 11) % vocab for i in range(length)]}
+
+
+def chosen_logprobs(output: Any) -> list[float]:
+    completion = output.outputs[0]
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]

@@ -1,0 +1,175 @@
+"""Scheduler side: decides how many tokens each request keeps and gives the freed pages back.
+
+Per request the scheduler tracks ``evicted`` = logical tokens computed - tokens physically cached.
+Everything vLLM keeps logical (``num_computed_tokens``, the max_model_len cap, positions) stays
+logical; only page arithmetic sees the physical length.
+
+Each step:
+1. before vLLM schedules, the pages freed by last step's eviction are returned to the pool, so they
+   are usable at once;
+2. vLLM schedules as usual (its page allocation sees physical lengths, see EvictKVCacheManager);
+3. for every scheduled request with eviction on, the scheduler applies the shared rule
+   (``vllm_evict.schedule.eviction_target``) and attaches the plan to the SchedulerOutput; the workers
+   evict right after each layer's attention of this step, keeping exactly that many tokens per head.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_evict.config import EvictionConfig, resolve_request_config
+from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
+from vllm_evict.schedule import eviction_target, phase_of
+
+logger = logging.getLogger("vllm_evict")
+
+
+def server_eviction_mapping(vllm_config: Any) -> dict[str, Any] | None:
+    """The server-wide eviction settings exactly as the user gave them (additional_config)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    mapping = extra.get("kv_eviction")
+    return dict(mapping) if mapping else None
+
+
+class EvictScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server_eviction = server_eviction_mapping(self.vllm_config)
+        self.eviction_configs: dict[str, EvictionConfig | None] = {}
+        self.evicted: dict[str, int] = {}  # request id -> logical - physical tokens
+        self.pending_keep: dict[str, int] = {}  # request id -> tokens kept by last step's eviction
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1:
+            raise ValueError("KV eviction supports models with one KV-cache group (full attention in every "
+                             f"layer); this model has {len(managers)} groups")
+        self.attention_manager = managers[0]
+        self.page_size = self.attention_manager.block_size
+        self.kv_cache_manager.__class__ = _evicting_manager_class(type(self.kv_cache_manager))
+        self.kv_cache_manager.eviction = self
+
+    # ---- per-request configuration ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        # The front end has validated extra_args already (plugin.validate_request), so this cannot fail
+        # for a request that came through the API or LLM.
+        params = request.sampling_params
+        extra = params.extra_args if params is not None else None
+        self.eviction_configs[request.request_id] = resolve_request_config(self.server_eviction, extra)
+        super().add_request(request)
+
+    def config_of(self, request_id: str) -> EvictionConfig | None:
+        return self.eviction_configs.get(request_id)
+
+    def slack_of(self, config: EvictionConfig) -> int:
+        return config.slack if config.slack is not None else self.page_size
+
+    def physical_bound(self, request: Request) -> int:
+        """Most tokens ``request`` will ever hold in cache (admission control)."""
+        total = request.num_tokens + max(0, request.max_tokens - request.num_output_tokens)
+        config = self.config_of(request.request_id)
+        if config is None:
+            return total
+        decode_bound = config.budget + self.slack_of(config)
+        if config.schedule == "oneshot":
+            return min(total, max(request.num_prompt_tokens, decode_bound))
+        chunk = self.scheduler_config.max_num_batched_tokens
+        return min(total, max(config.budget + chunk, decode_bound))
+
+    # ---- the step -----------------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._free_evicted_pages()
+        output = super().schedule(*args, **kwargs)
+        self._forget_gone_requests()
+        plan = EvictionPlan()
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            config = self.config_of(request_id)
+            if config is None:
+                continue
+            request = self.requests[request_id]
+            tokens_after = request.num_computed_tokens  # vLLM has already advanced it for this step
+            tokens_before = tokens_after - num_new
+            phys_before = tokens_before - self.evicted.get(request_id, 0)
+            phase = phase_of(tokens_before, num_new, request.num_prompt_tokens)
+            keep = eviction_target(phys_after=phys_before + num_new, phase=phase, budget=config.budget,
+                                   schedule=config.schedule, slack=self.slack_of(config))
+            plan.steps[request_id] = RequestStep(tokens_before=tokens_before, phys_before=phys_before,
+                                                 num_new=num_new, phase=phase, keep=keep, config=config)
+            if keep is not None:
+                self.pending_keep[request_id] = keep
+        setattr(output, PLAN_ATTR, plan)
+        return output
+
+    def _free_evicted_pages(self) -> None:
+        """Give back the trailing pages of requests the workers compacted during the last step."""
+        for request_id, keep in self.pending_keep.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted: vLLM already freed every page
+            blocks = self.attention_manager.req_to_blocks[request_id]
+            tail = blocks[cdiv(keep, self.page_size):]
+            del blocks[cdiv(keep, self.page_size):]
+            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            self.evicted[request_id] = request.num_computed_tokens - keep
+        self.pending_keep.clear()
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        # Recompute-preemption drops every page and restarts from token 0.
+        self.evicted.pop(request.request_id, None)
+        self.pending_keep.pop(request.request_id, None)
+
+    def _forget_gone_requests(self) -> None:
+        for request_id in [r for r in self.eviction_configs if r not in self.requests]:
+            self.eviction_configs.pop(request_id, None)
+            self.evicted.pop(request_id, None)
+            self.pending_keep.pop(request_id, None)
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Tokens physically cached for a request (tests and metrics)."""
+        request = self.requests[request_id]
+        return request.num_computed_tokens - self.evicted.get(request_id, 0)
+
+
+_MANAGER_CLASSES: dict[type, type] = {}
+
+
+def _evicting_manager_class(base: type[KVCacheManager]) -> type[KVCacheManager]:
+    if base not in _MANAGER_CLASSES:
+        _MANAGER_CLASSES[base] = type("Evicting" + base.__name__, (EvictKVCacheManagerMixin, base), {})
+    return _MANAGER_CLASSES[base]
+
+
+class EvictKVCacheManagerMixin:
+    """Presents each request's physical length to vLLM's page arithmetic.
+
+    Inside ``allocate_slots`` the request's ``num_computed_tokens`` feeds only page arithmetic (prefix
+    caching is off with eviction), so it is lowered by the evicted count for the duration of the call.
+    The full-prompt admission reservation is replaced by one sized to what the request will hold.
+    """
+
+    eviction: EvictScheduler
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        scheduler = self.eviction
+        evicted = scheduler.evicted.get(request.request_id, 0)
+        if kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None:
+            kwargs["full_sequence_must_fit"] = False
+            if not self._bounded_sequence_fits(request, evicted):
+                return None
+        request.num_computed_tokens -= evicted
+        try:
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            request.num_computed_tokens += evicted
+
+    def _bounded_sequence_fits(self, request: Request, evicted: int) -> bool:
+        scheduler = self.eviction
+        held = len(scheduler.attention_manager.req_to_blocks.get(request.request_id, ()))
+        needed = cdiv(scheduler.physical_bound(request), scheduler.page_size) - held
+        return needed <= self.block_pool.get_num_free_blocks()  # type: ignore[attr-defined]

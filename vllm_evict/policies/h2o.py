@@ -1,0 +1,58 @@
+"""H2O, Heavy-Hitter Oracle (Zhang et al., 2023): keep the tokens that have received the most attention.
+
+The score of a token is the attention it has accumulated from every query that has seen it since it
+entered the cache, GQA group mean (spec caote.md §3.1 and §9.4, keydiff.md §8). The accumulator is
+updated at every step, also before the cache is full, and travels with the KV slots as state "acc".
+The harness the papers compare against protects nothing; the original H2O's recent window and
+attention sinks are available as options (default 0).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from vllm_evict.policies.attention import attention_column_sums
+from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
+from vllm_evict.policies.options import check_int
+
+
+class H2O(Policy):
+    name = "h2o"
+    summary = "attention accumulated over every query since a token arrived (heavy hitters)"
+    paper = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (2023)"
+    one_shot = False
+    is_attention_mass = True
+    state_names = ("acc",)
+    # Every step's queries must be added, including steps on which nothing is evicted.
+    needs_every_step = True
+    defaults = {"recent": 0, "sinks": 0}
+
+    @property
+    def query_window(self) -> None:
+        return None  # all queries of the current step, each counted exactly once
+
+    def check_options(self) -> None:
+        check_int("recent", self.recent)
+        check_int("sinks", self.sinks)
+
+    def protected_count(self, budget: int) -> int:
+        return self.recent + self.sinks
+
+    def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
+        """acc_j += (1/G) sum_g sum_i A^(g)_ij over this step's queries i.
+
+        Tokens of this step arrive with acc = 0 (``init_state``) and pick up their own block's
+        attention here; the causal mask (by logical position) keeps earlier queries off later tokens.
+        """
+        sums = attention_column_sums(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)
+        # Out of place: the caller's state must survive if this step is retried or compared.
+        return {**inp.state, "acc": inp.state["acc"].float() + sums.mean(dim=1)}
+
+    def attention_mass(self, inp: EvictionInputs) -> Tensor:
+        return inp.state["acc"].float()
+
+    def protected_mask(self, inp: EvictionInputs) -> Tensor:
+        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
+
+    def scores(self, inp: EvictionInputs) -> Tensor:
+        return protect(self.attention_mass(inp), self.protected_mask(inp))

@@ -1,0 +1,30 @@
+"""Helpers shared by the engine tests and benchmarks: a tiny random Llama built offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_tiny_llama(directory: str | Path, *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int = 32, vocab: int = 512, seed: int = 0) -> Path:
+    """A random GQA Llama with a word-level tokenizer (tokens 't0'..), saved as an HF folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=8192, tie_word_embeddings=True,
+                         bos_token_id=vocab - 2, eos_token_id=vocab - 1, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    words = [f"t{i}" for i in range(vocab - 3)] + ["<unk>", "<s>", "</s>"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return directory
