@@ -188,3 +188,35 @@ def test_deterministic(smollm2, prompt, spec):
     assert a.token_ids == b.token_ids
     assert a.logprobs == b.logprobs
     assert all(torch.equal(x, y) for x, y in zip(a.kept_positions, b.kept_positions))
+
+
+def test_streamingllm_matches_masked_full_forward(smollm2, prompt):
+    """An independent oracle for positions and compaction: StreamingLLM's survivors are known in advance
+    (the sinks plus the most recent tokens), so one plain-HF eager forward over the whole sequence with a
+    4D mask that hides, from every query, the tokens evicted before its step must give the same logprobs.
+    This catches wrong RoPE positions (they must stay logical), wrong masks and wrong compaction."""
+    model, _ = smollm2
+    budget, sinks, steps = 48, 4, 4
+    config = EvictionConfig.from_spec("streamingllm", budget, sinks=sinks)
+    result = reference.run_reference(model, prompt, config, steps, chunk_size=CHUNK, ignore_eos=True)
+    seq = prompt + result.token_ids[:-1]
+    n, p = len(seq), len(prompt)
+    i = torch.arange(n)
+    before = torch.where(i < p, (i // CHUNK) * CHUNK, i)  # logical tokens cached before query i's step
+    j = torch.arange(n).view(1, n)
+    kept_earlier = (before.view(n, 1) <= budget) | (j < sinks) | (j >= before.view(n, 1) - (budget - sinks))
+    visible = (j <= i.view(n, 1)) & ((j >= before.view(n, 1)) | kept_earlier)
+    mask = torch.zeros(n, n).masked_fill(~visible, torch.finfo(torch.float32).min).view(1, 1, n, n)
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([seq]), attention_mask=mask, use_cache=False).logits[0]
+    finally:
+        model.set_attn_implementation(reference.ATTN_IMPLEMENTATION)
+    logp = torch.log_softmax(logits[p - 1:].float(), dim=-1)
+    assert logp.argmax(-1).tolist() == result.token_ids
+    expected = logp.gather(1, torch.tensor(result.token_ids).view(-1, 1)).view(-1)
+    assert torch.allclose(expected, torch.tensor(result.logprobs), atol=1e-4), (expected, result.logprobs)
+    # and eviction did matter: the full-cache logprobs differ
+    plain = reference.run_reference(model, prompt, None, steps, chunk_size=CHUNK, ignore_eos=True)
+    assert max(abs(a - b) for a, b in zip(plain.logprobs, result.logprobs)) > 1e-3

