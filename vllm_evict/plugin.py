@@ -172,11 +172,22 @@ def check_model_supported(vllm_config: Any) -> None:
             t != "full_attention" for t in hf_config.layer_types):
         raise ValueError(f"KV eviction does not support sliding-window attention ({name}): the window is "
                          "counted in cache slots, which eviction reorders; serve it without --kv-eviction")
-    if getattr(hf_config, "alibi", False) or getattr(hf_config, "position_embedding_type", "") == "alibi":
+    if uses_alibi(hf_config, model_config.architectures):
         raise ValueError(f"KV eviction does not support ALiBi attention ({name}): its bias depends on the "
                          "slot index; serve it without --kv-eviction")
     if model_config.uses_mrope:
         raise ValueError(f"KV eviction does not support M-RoPE models ({name}) yet")
+
+
+ALIBI_ARCHITECTURES = {"BloomForCausalLM", "JAISLMHeadModel"}  # always ALiBi
+
+
+def uses_alibi(hf_config: Any, architectures: list[str] | None) -> bool:
+    attn_config = getattr(hf_config, "attn_config", None)
+    flag_in_attn = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
+    return bool(getattr(hf_config, "alibi", False) or flag_in_attn
+                or getattr(hf_config, "position_embedding_type", "") == "alibi"
+                or ALIBI_ARCHITECTURES.intersection(architectures or ()))
 
 
 # ---- start-up memory check ----------------------------------------------------------------------
@@ -237,3 +248,40 @@ def _wrap_request_validation() -> None:
         return result
 
     InputProcessor._validate_params = _validate_params
+    original_process = InputProcessor.process_inputs
+
+    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = original_process(self, *args, **kwargs)
+        check_request_fits(self.vllm_config, request)
+        return request
+
+    InputProcessor.process_inputs = process_inputs
+
+
+def check_request_fits(vllm_config: Any, request: Any) -> None:
+    """With eviction the start-up check no longer guarantees that any request fits the KV pool, so a
+    request that could never fit (eviction off for it, say) is refused instead of waiting forever."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_evict.schedule import physical_bound
+
+    server = (vllm_config.additional_config or {}).get("kv_eviction")
+    params = getattr(request, "sampling_params", None)
+    pages = vllm_config.cache_config.num_gpu_blocks
+    if not server or not isinstance(params, SamplingParams) or not pages:
+        return
+    config = resolve_request_config(server, params.extra_args)
+    block_size = vllm_config.cache_config.block_size
+    prompt = request.prompt_token_ids
+    prompt_len = len(prompt) if prompt is not None else int(request.prompt_embeds.shape[0])
+    tokens = physical_bound(
+        prompt_len=prompt_len, max_new_tokens=params.max_tokens or 0,
+        budget=config.budget if config else None, schedule=config.schedule if config else None,
+        slack=(config.slack or block_size) if config else 0,
+        chunk=vllm_config.scheduler_config.max_num_batched_tokens)
+    needed, usable = -(-tokens // block_size), pages - 1  # one page is vLLM's null page
+    if needed > usable:
+        raise VLLMValidationError(
+            f"this request needs up to {tokens} tokens of KV cache ({needed} pages) but the pool holds "
+            f"{usable} pages; turn eviction on for it or lower kv_budget, or shorten the prompt or max_tokens")

@@ -31,3 +31,15 @@ def eviction_target(*, phys_after: int, phase: Phase, budget: int, schedule: str
     if schedule == "chunked" or phase is Phase.PROMPT_END:
         return budget if phys_after > budget else None
     return None
+
+
+def physical_bound(*, prompt_len: int, max_new_tokens: int, budget: int | None, schedule: str | None,
+                   slack: int, chunk: int) -> int:
+    """Most tokens a request will ever hold in cache (``budget`` None: eviction off for it)."""
+    total = prompt_len + max_new_tokens
+    if budget is None:
+        return total
+    decode = budget + slack
+    if schedule == "oneshot":
+        return min(total, max(prompt_len, decode))
+    return min(total, max(budget + chunk, decode))

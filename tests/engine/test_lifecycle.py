@@ -152,3 +152,12 @@ def test_multiprocess_executor_matches_in_process(tiny_llama, engine_factory, tm
     multi = json.loads(lines[0][len("RESULT"):])
     for got, want in zip(multi, in_process):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_request_that_can_never_fit_is_refused_not_stuck(tiny_llama, engine_factory):
+    engine = engine_factory(tiny_llama, {"policy": "keydiff", "budget": 64}, pages=16, max_model_len=4096)
+    with pytest.raises(VLLMValidationError, match=r"this request needs up to 1100 tokens of KV cache \(35 pages\) "
+                                                  r"but the pool holds 15 pages"):
+        engine.llm.generate([token_prompt(1000)], greedy(100, kv_eviction="none"))
+    out = engine.llm.generate([token_prompt(1000)], greedy(4))[0]  # with eviction it fits
+    assert len(out.outputs[0].token_ids) == 4

@@ -26,7 +26,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_evict.config import EvictionConfig, resolve_request_config
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
-from vllm_evict.schedule import eviction_target, phase_of
+from vllm_evict.schedule import eviction_target, phase_of, physical_bound
 
 logger = logging.getLogger("vllm_evict")
 
@@ -71,15 +71,11 @@ class EvictScheduler(Scheduler):
 
     def physical_bound(self, request: Request) -> int:
         """Most tokens ``request`` will ever hold in cache (admission control)."""
-        total = request.num_tokens + max(0, request.max_tokens - request.num_output_tokens)
         config = self.config_of(request.request_id)
-        if config is None:
-            return total
-        decode_bound = config.budget + self.slack_of(config)
-        if config.schedule == "oneshot":
-            return min(total, max(request.num_prompt_tokens, decode_bound))
-        chunk = self.scheduler_config.max_num_batched_tokens
-        return min(total, max(config.budget + chunk, decode_bound))
+        return physical_bound(
+            prompt_len=request.num_tokens, max_new_tokens=max(0, request.max_tokens - request.num_output_tokens),
+            budget=config.budget if config else None, schedule=config.schedule if config else None,
+            slack=self.slack_of(config) if config else 0, chunk=self.scheduler_config.max_num_batched_tokens)
 
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
