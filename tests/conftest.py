@@ -9,6 +9,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton reads this when a kernel is
+# decorated, so it must be set before anything (vLLM included) imports a kernel module.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 
 @pytest.fixture(scope="session")
 def smollm2_path():

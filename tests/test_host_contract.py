@@ -158,7 +158,7 @@ class Host:
         return self._once("vllm_config", self._build_vllm_config)
 
     def _build_vllm_config(self) -> Any:
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
         model_dir = self.tmp / "tiny-llama-config"
         model_dir.mkdir(exist_ok=True)
@@ -172,7 +172,9 @@ class Host:
             cache.num_gpu_blocks = 20
             sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
                                     is_encoder_decoder=False)
-            return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched)
+            # Without a GPU the CUDA build cannot infer its device; the scheduler checks need none.
+            device = DeviceConfig(device="cpu" if CPU_BUILD or _no_cuda() else "cuda")
+            return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, device_config=device)
         except Exception as err:  # noqa: BLE001
             if not CPU_BUILD and _no_cuda():
                 pytest.skip(f"the CUDA build cannot build a VllmConfig without a GPU here ({err!r})")
@@ -216,6 +218,8 @@ class Host:
         import torch
         from vllm.v1.worker.gpu_input_batch import InputBatch
 
+        if not CPU_BUILD and _no_cuda():
+            pytest.skip("the CUDA build's InputBatch pins host memory, which needs a GPU driver")
         return InputBatch(max_num_reqs=4, max_model_len=256, max_num_batched_tokens=64, device=torch.device("cpu"),
                           vocab_size=512, block_sizes=[PAGE], max_num_blocks_per_req=[16])
 
@@ -258,19 +262,26 @@ def check_async_engine_args_inherits_from_cli_args(h: Host) -> None:
         "would bypass the plugin's wrapper that turns --kv-eviction into additional_config")
 
 
-def check_get_kv_cache_configs_module_global(h: Host) -> None:
-    from vllm.v1.core import kv_cache_utils
+def check_get_kv_cache_configs_call_site(h: Host) -> None:
     from vllm.v1.engine import core
 
     assert getattr(core, "get_kv_cache_configs", None) is not None, (
         "vLLM changed vllm.v1.engine.core.get_kv_cache_configs: no longer a module global of the engine core, "
         "so the plugin's start-up memory check is not applied")
-    assert core.get_kv_cache_configs is kv_cache_utils.get_kv_cache_configs or _is_plugin_wrapper(
-        core.get_kv_cache_configs), ("vLLM changed vllm.v1.engine.core.get_kv_cache_configs: it is no longer "
-                                     "kv_cache_utils.get_kv_cache_configs")
     assert re.search(r"(?<![.\w])get_kv_cache_configs\(", inspect.getsource(core)), (
         "vLLM changed vllm.v1.engine.core.get_kv_cache_configs: the engine core no longer calls it by its "
         "module-global name")
+
+
+def check_get_kv_cache_configs_home(h: Host) -> None:
+    """The plugin also patches the module that defines it (0.32: kv_cache_utils, 0.33: kv_cache_planning)."""
+    original = resolve("vllm.v1.engine.core.get_kv_cache_configs")
+    home = importlib.import_module(original.__module__)
+    assert unwrap_plugin(getattr(home, "get_kv_cache_configs", None)) is original, (
+        f"vLLM changed get_kv_cache_configs: the engine core's function is not {original.__module__}."
+        "get_kv_cache_configs")
+    assert original.__module__ in ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"), (
+        f"vLLM changed get_kv_cache_configs: it moved to {original.__module__}")
 
 
 def _is_plugin_wrapper(fn: Any) -> bool:
@@ -674,9 +685,10 @@ def _cases() -> list[Any]:
     add("ModelConfig:use_mla,get_sliding_window,hf_text_config,uses_mrope,max_model_len", check_model_config_attributes)
     add("SchedulerConfig.get_scheduler_cls:qualname", check_scheduler_cls_qualname)
     add("VLLM_USE_V2_MODEL_RUNNER", check_use_v2_model_runner_env)
-    add("vllm.v1.core.kv_cache_utils.get_kv_cache_configs", expect_params(
-        "vllm.v1.core.kv_cache_utils.get_kv_cache_configs", "vllm_config", prefix=True))
-    add("vllm.v1.engine.core.get_kv_cache_configs", check_get_kv_cache_configs_module_global)
+    add("vllm.v1.engine.core.get_kv_cache_configs", expect_params(
+        "vllm.v1.engine.core.get_kv_cache_configs", "vllm_config", prefix=True))
+    add("vllm.v1.engine.core.get_kv_cache_configs:call_site", check_get_kv_cache_configs_call_site)
+    add("get_kv_cache_configs:defining_module", check_get_kv_cache_configs_home)
     add("InputProcessor._validate_params", expect_params(
         "vllm.v1.engine.input_processor.InputProcessor._validate_params", "self", "params", prefix=True))
     add("InputProcessor._validate_params:call_site", expect_source(

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from vllm_evict.config import REQUEST_KEYS, EvictionConfig, resolve_request_config
@@ -206,10 +207,12 @@ def startup_length_bound(vllm_config: Any) -> int | None:
 
 def _wrap_startup_memory_check() -> None:
     """vLLM refuses to start unless one max_model_len request fits; with eviction it needs only the bound."""
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.engine import core
 
-    original = kv_cache_utils.get_kv_cache_configs
+    # The engine core calls it by its module-global name; it is defined in vllm.v1.core.kv_cache_utils
+    # (0.32) or vllm.v1.core.kv_cache_planning (0.33).
+    original = core.get_kv_cache_configs
+    home = sys.modules.get(getattr(original, "__module__", ""))
 
     def get_kv_cache_configs(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
         bound = startup_length_bound(vllm_config)
@@ -223,7 +226,8 @@ def _wrap_startup_memory_check() -> None:
         finally:
             model_config.max_model_len = saved
 
-    kv_cache_utils.get_kv_cache_configs = get_kv_cache_configs
+    if home is not None and getattr(home, "get_kv_cache_configs", None) is original:
+        home.get_kv_cache_configs = get_kv_cache_configs
     core.get_kv_cache_configs = get_kv_cache_configs
 
 

@@ -96,15 +96,15 @@ def test_mla_model_is_refused(tmp_path):
         engine_config(model, skip_tokenizer_init=True)
 
 
-def test_cli_flags_become_additional_config():
+def test_cli_flags_become_additional_config(tiny_llama):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", "m", "--kv-eviction", "caote+snapkv", "--kv-budget", "512",
+    args = parser.parse_args(["--model", tiny_llama, "--kv-eviction", "caote+snapkv", "--kv-budget", "512",
                               "--kv-eviction-config", json.dumps({"window": 16}),
                               "--additional-config", json.dumps({"other": 1})])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.additional_config == {
         "other": 1, "kv_eviction": {"window": 16, "policy": "caote+snapkv", "budget": 512}}
     with pytest.raises(ValueError, match="--kv-budget and --kv-eviction-config need --kv-eviction POLICY"):
-        EngineArgs.from_cli_args(parser.parse_args(["--model", "m", "--kv-budget", "5"]))
+        EngineArgs.from_cli_args(parser.parse_args(["--model", tiny_llama, "--kv-budget", "5"]))
