@@ -324,7 +324,7 @@ def check_vllm_config_fields(h: Host) -> None:
 
 def check_model_config_attributes(h: Host) -> None:
     model = h.vllm_config.model_config
-    for name in ("model", "use_mla", "hf_text_config", "uses_mrope", "max_model_len"):
+    for name in ("model", "use_mla", "hf_text_config", "uses_mrope", "max_model_len", "architectures"):
         assert hasattr(model, name), f"vLLM changed ModelConfig.{name}: attribute gone"
     assert callable(getattr(model, "get_sliding_window", None)), "vLLM changed ModelConfig.get_sliding_window: gone"
     assert model.get_sliding_window() is None, "vLLM changed ModelConfig.get_sliding_window: not None for Llama"
@@ -682,7 +682,8 @@ def _cases() -> list[Any]:
     add("CompilationConfig.static_forward_context",
         expect_field("vllm.config.compilation.CompilationConfig", "static_forward_context"))
     add("VllmConfig:fields", check_vllm_config_fields)
-    add("ModelConfig:use_mla,get_sliding_window,hf_text_config,uses_mrope,max_model_len", check_model_config_attributes)
+    add("ModelConfig:use_mla,get_sliding_window,hf_text_config,uses_mrope,max_model_len,architectures",
+        check_model_config_attributes)
     add("SchedulerConfig.get_scheduler_cls:qualname", check_scheduler_cls_qualname)
     add("VLLM_USE_V2_MODEL_RUNNER", check_use_v2_model_runner_env)
     add("vllm.v1.engine.core.get_kv_cache_configs", expect_params(
@@ -697,6 +698,26 @@ def _cases() -> list[Any]:
     add("InputProcessor.vllm_config", expect_source(
         "vllm.v1.engine.input_processor.InputProcessor.__init__", r"self\.vllm_config\s*=",
         "InputProcessor no longer keeps self.vllm_config"))
+    add("InputProcessor.process_inputs", expect_params(
+        "vllm.v1.engine.input_processor.InputProcessor.process_inputs", "self", "request_id", "prompt", "params",
+        prefix=True))
+    add("InputProcessor.process_inputs:returns_EngineCoreRequest", lambda: (
+        "EngineCoreRequest" in str(inspect.signature(resolve(
+            "vllm.v1.engine.input_processor.InputProcessor.process_inputs")).return_annotation)
+        or pytest.fail("vLLM changed InputProcessor.process_inputs: it no longer returns an EngineCoreRequest")))
+    for engine in ("llm_engine.LLMEngine", "async_llm.AsyncLLM"):
+        add(f"{engine.split('.')[1]}:calls_input_processor.process_inputs", expect_source(
+            f"vllm.v1.engine.{engine}", r"self\.input_processor\.process_inputs\(",
+            "requests no longer go through self.input_processor.process_inputs, where the plugin refuses a "
+            "request that can never fit"))
+    for name in ("sampling_params", "prompt_token_ids", "prompt_embeds"):
+        add(f"EngineCoreRequest.{name}", lambda name=name: (
+            name in resolve("vllm.v1.engine.EngineCoreRequest").__struct_fields__
+            or pytest.fail(f"vLLM changed EngineCoreRequest.{name}: no such field")))
+    add("EngineCoreClient:front_end_num_gpu_blocks", lambda: [expect_source(
+        module, r"cache_config\.num_gpu_blocks\s*=", "the engine no longer records the pool size in "
+        "vllm_config.cache_config.num_gpu_blocks, which the front-end fit check reads")()
+        for module in ("vllm.v1.engine.core", "vllm.v1.engine.core_client")])
     add("vllm.exceptions.VLLMValidationError", check_validation_error_is_a_400)
     add("SamplingParams.extra_args", check_sampling_params_extra_args)
 

@@ -189,7 +189,7 @@ class EvictRunnerMixin:
                     f"{computed} tokens ({phys_before} cached), scheduler planned {step.tokens_before} "
                     f"({step.phys_before} cached)")
             pages = _cdiv(step.phys_after, table.block_size)
-            block_ids = torch.from_numpy(table.block_table.np[index, :pages].astype(np.int64))
+            block_ids = torch.from_numpy(table.block_table.np[index, :pages].astype(np.int64)).to(self.device)  # type: ignore[attr-defined]
             rows.append(BatchRow(request_id=request_id, step=step, policy=self._policy_for(step.config),
                                  query_start=int(starts[index]), block_ids=block_ids))
             if step.keep is not None:
@@ -201,7 +201,7 @@ class EvictRunnerMixin:
         """Logical positions cached for a request, per layer [H_kv, n] in slot order (tests, debugging)."""
         step = self.evict_state.last_step[request_id]
         length = step.keep if step.keep is not None else step.phys_after
-        block_ids = torch.tensor(self.requests[request_id].block_ids[0], dtype=torch.int64)  # type: ignore[attr-defined]
+        block_ids = torch.tensor(self.requests[request_id].block_ids[0], dtype=torch.int64, device=self.device)  # type: ignore[attr-defined]
         return [ops.gather_tokens(self.evict_state_buffers[name][POSITIONS], block_ids, length).clone()
                 for name in self.evict_layers]
 

@@ -194,6 +194,25 @@ def compact(tensor: Tensor, keep: Tensor) -> Tensor:
     return torch.gather(tensor, 1, index)
 
 
+class SinksAndRecent(Policy):
+    """A policy whose only protected tokens are the optional first ``sinks`` and last ``recent``
+    logical positions (both off by default, as in the papers' harness)."""
+
+    defaults: ClassVar[dict[str, Any]] = {"recent": 0, "sinks": 0}
+
+    def check_options(self) -> None:
+        from vllm_evict.policies.options import check_int
+
+        check_int("recent", self.recent)
+        check_int("sinks", self.sinks)
+
+    def protected_count(self, budget: int) -> int:
+        return self.sinks + self.recent
+
+    def protected_mask(self, inp: EvictionInputs) -> Tensor:
+        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
+
+
 class MetaPolicy(Policy):
     """A score computed on top of a base policy's attention mass (CAOTE, CriticalKV).
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from vllm_evict.policies.attention import attention_column_sums
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
-from vllm_evict.policies.options import check_int
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
 
 
-class H2O(Policy):
+class H2O(SinksAndRecent):
     name = "h2o"
     summary = "attention accumulated over every query since a token arrived (heavy hitters)"
     paper = "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (2023)"
@@ -25,18 +24,10 @@ class H2O(Policy):
     state_names = ("acc",)
     # Every step's queries must be added, including steps on which nothing is evicted.
     needs_every_step = True
-    defaults = {"recent": 0, "sinks": 0}
 
     @property
     def query_window(self) -> None:
         return None  # all queries of the current step, each counted exactly once
-
-    def check_options(self) -> None:
-        check_int("recent", self.recent)
-        check_int("sinks", self.sinks)
-
-    def protected_count(self, budget: int) -> int:
-        return self.recent + self.sinks
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         """acc_j += (1/G) sum_g sum_i A^(g)_ij over this step's queries i.
@@ -50,9 +41,6 @@ class H2O(Policy):
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         return inp.state["acc"].float()
-
-    def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         return protect(self.attention_mass(inp), self.protected_mask(inp))

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
-from vllm_evict.policies.options import check_int
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
 
 # Floor on key norms before normalising (keydiff.md §3.5): an all-zero key gets k̂ = 0, not NaN.
 EPS = 1e-6
@@ -43,28 +42,17 @@ def keydiff_pairwise_scores(keys: Tensor) -> Tensor:
     return -(khat @ khat.transpose(-1, -2)).sum(dim=-1)
 
 
-class KeyDiff(Policy):
+class KeyDiff(SinksAndRecent):
     name = "keydiff"
     summary = "keeps the keys least similar (cosine) to the mean key direction; needs no attention"
     paper = ("Park et al., KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference "
              "in Resource-Constrained Environments (2025)")
     one_shot = False
     is_attention_mass = False
-    defaults = {"recent": 0, "sinks": 0}
 
     @property
     def query_window(self) -> int:
         return 0
-
-    def check_options(self) -> None:
-        check_int("recent", self.recent)
-        check_int("sinks", self.sinks)
-
-    def protected_count(self, budget: int) -> int:
-        return self.recent + self.sinks
-
-    def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         # The anchor covers every candidate, protected ones included (keydiff.md §9.6).

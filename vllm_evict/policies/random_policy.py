@@ -13,8 +13,7 @@ import hashlib
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
-from vllm_evict.policies.options import check_int
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
 
 
 def stream_seed(*parts: int) -> int:
@@ -23,27 +22,16 @@ def stream_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-class RandomPolicy(Policy):
+class RandomPolicy(SinksAndRecent):
     name = "random"
     summary = "uniformly random survivors, reproducible from the request seed (a lower baseline)"
     paper = "baseline (no paper): uniform random eviction"
     one_shot = False
     is_attention_mass = False
-    defaults = {"sinks": 0, "recent": 0}
 
     @property
     def query_window(self) -> int:
         return 0
-
-    def check_options(self) -> None:
-        check_int("sinks", self.sinks)
-        check_int("recent", self.recent)
-
-    def protected_count(self, budget: int) -> int:
-        return self.sinks + self.recent
-
-    def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         gen = torch.Generator(device="cpu").manual_seed(stream_seed(inp.seed, inp.layer, inp.seq_len))

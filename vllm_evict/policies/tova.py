@@ -10,28 +10,19 @@ from __future__ import annotations
 from torch import Tensor
 
 from vllm_evict.policies.attention import attention_column_sums
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
-from vllm_evict.policies.options import check_int
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
 
 
-class TOVA(Policy):
+class TOVA(SinksAndRecent):
     name = "tova"
     summary = "attention of the newest query (GQA group mean); evicts what it ignores"
     paper = "Oren et al., Transformers are Multi-State RNNs (TOVA, 2024)"
     one_shot = False
     is_attention_mass = True
-    defaults = {"recent": 0, "sinks": 0}
 
     @property
     def query_window(self) -> int:
         return 1
-
-    def check_options(self) -> None:
-        check_int("recent", self.recent)
-        check_int("sinks", self.sinks)
-
-    def protected_count(self, budget: int) -> int:
-        return self.recent + self.sinks
 
     def group_masses(self, inp: EvictionInputs) -> Tensor:
         """A^(g)_{last, j} for every query head g of each group: [H_kv, G, n] (CAOTE's per-head mode)."""
@@ -42,9 +33,6 @@ class TOVA(Policy):
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """h_j = (1/G) sum_g A^(g)_{last, j}: one softmax row per query head, so it sums to 1 per KV head."""
         return self.group_masses(inp).mean(dim=1)
-
-    def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         return protect(self.attention_mass(inp), self.protected_mask(inp))
