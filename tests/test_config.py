@@ -207,3 +207,12 @@ def test_bad_request_values(extra, message):
 def test_request_overrides_on_a_server_without_eviction(extra):
     with pytest.raises(ValueError, match=r"this server runs without KV eviction.*--kv-eviction POLICY"):
         resolve_request_config(None, extra)
+
+
+def test_request_options_may_arrive_as_json_text():
+    from vllm_evict.config import resolve_request_config
+
+    config = resolve_request_config({"policy": "snapkv", "budget": 64}, {"kv_eviction_config": '{"window": 16}'})
+    assert config.options["window"] == 16
+    with pytest.raises(ValueError, match=r"kv_eviction_config must be a JSON object, got '\{window'"):
+        resolve_request_config({"policy": "snapkv", "budget": 64}, {"kv_eviction_config": "{window"})

@@ -193,6 +193,12 @@ def resolve_request_config(server: Mapping[str, Any] | None, extra_args: Mapping
         if "kv_budget" in extra:
             data["budget"] = extra["kv_budget"]
         overrides = extra.get("kv_eviction_config", {})
+        if isinstance(overrides, str):
+            # OpenAI's vllm_xargs carries only strings, numbers and lists, so objects arrive as JSON text.
+            try:
+                overrides = json.loads(overrides)
+            except json.JSONDecodeError:
+                raise ValueError(f"kv_eviction_config must be a JSON object, got {overrides!r}") from None
         if not isinstance(overrides, Mapping):
             raise ValueError(f"kv_eviction_config must be a JSON object, got {overrides!r}")
         data.update(overrides)

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_evict.config import REQUEST_KEYS, EvictionConfig, resolve_request_config
 
-logger = logging.getLogger("vllm_evict")
+logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
 SCHEDULER_CLS = "vllm_evict.engine.scheduler.EvictScheduler"
 CPU_WORKER_CLS = "vllm_evict.engine.worker.EvictCPUWorker"

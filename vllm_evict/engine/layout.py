@@ -56,7 +56,8 @@ def probe_kv_layout(impl: object, layer: torch.nn.Module, kv_cache: Tensor, num_
                     head_size: int) -> tuple[str, KVViews]:
     """Return (name, views) for the layout ``impl`` writes, or raise ValueError naming the backend."""
     update = getattr(impl, "do_kv_cache_update", None)
-    if update is None or getattr(impl, "forward_includes_kv_cache_update", False):
+    backend = getattr(layer, "attn_backend", None)  # vLLM declares this on the backend class
+    if update is None or getattr(backend, "forward_includes_kv_cache_update", False):
         raise ValueError(f"KV eviction cannot probe the KV layout of {type(impl).__name__}: it writes the "
                          "cache inside forward; use a backend with a separate KV-cache update")
     block_size = None

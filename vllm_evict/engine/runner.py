@@ -25,7 +25,7 @@ from vllm_evict.engine.layout import KVViews, probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
 from vllm_evict.policies.base import EvictionInputs, Policy
 
-logger = logging.getLogger("vllm_evict")
+logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
 POSITIONS = "__positions__"  # per-token logical position, stored like any policy state
 

@@ -28,7 +28,7 @@ from vllm_evict.config import EvictionConfig, resolve_request_config
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
 from vllm_evict.schedule import eviction_target, phase_of, physical_bound
 
-logger = logging.getLogger("vllm_evict")
+logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
 
 def server_eviction_mapping(vllm_config: Any) -> dict[str, Any] | None:
