@@ -56,15 +56,15 @@ METHODS: dict[str, dict[str, Any] | None] = {  # per-request extra_args on the s
 }
 
 
-def passkey_prompts(seed: int = 0) -> list[tuple[str, str]]:
+def passkey_prompts(seed: int = 0, repeats: int = REPEATS, depths: tuple[float, ...] = DEPTHS) -> list[tuple[str, str]]:
     """(prompt, key) pairs: the needle at each depth of the grass filler, a new 5-digit key each."""
     rng = random.Random(seed)
     prompts = []
-    for depth in DEPTHS:
+    for depth in depths:
         key = str(rng.randint(10000, 99999))
         needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-        at = round(depth * REPEATS)
-        haystack = FILLER * at + needle + FILLER * (REPEATS - at)
+        at = round(depth * repeats)
+        haystack = FILLER * at + needle + FILLER * (repeats - at)
         prompts.append((HEADER + haystack.rstrip() + QUESTION, key))
     return prompts
 
