@@ -189,7 +189,7 @@ def backends_for(op: str) -> list[str]:
 
 
 def measure(args) -> tuple[str, float, list[Row], list[list[str]], dict[str, str]]:
-    from vllm_evict import csrc, ops
+    from vllm_evict import csrc
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
