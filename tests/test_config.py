@@ -34,12 +34,10 @@ def test_schedule_defaults_follow_the_method():
     assert from_spec("snapkv", schedule="chunked").schedule == "chunked"
 
 
-def test_round_trip_and_replace():
+def test_round_trip():
     cfg = from_spec("caote+snapkv", 300, window=16, caote_mode="head", slack=32, seed=5)
     again = EvictionConfig.from_mapping(json.loads(str(cfg)))
     assert again == cfg
-    smaller = cfg.replace(budget=100)
-    assert smaller.budget == 100 and smaller.options == cfg.options
     assert EvictionConfig.from_mapping({"policy": "tova", "budget": 64}).policy == "tova"
 
 

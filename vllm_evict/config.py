@@ -106,11 +106,6 @@ class EvictionConfig:
         out.update(self.options)
         return out
 
-    def replace(self, **changes: Any) -> "EvictionConfig":
-        data = self.to_dict()
-        data.update(changes)
-        return EvictionConfig.from_mapping(data)
-
     def __str__(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
