@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -22,8 +23,9 @@ from torch import Tensor
 from vllm_evict import ops
 from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.layout import KVViews, probe_kv_layout
+from vllm_evict.engine.paged_kernels import PagedScoreKernels
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
-from vllm_evict.policies.base import EvictionInputs, Policy
+from vllm_evict.policies.base import Deferred, EvictionInputs, Policy
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
@@ -238,25 +240,30 @@ class EvictRunnerMixin:
             new_positions = torch.arange(step.tokens_before, step.tokens_before + step.num_new, device=key.device)
             if policy.needs_o_proj and o_proj is None:
                 o_proj = self._o_proj_weight(layer_name)
-            new_state = policy.init_state(new_keys, new_values, o_proj if policy.needs_o_proj else None)
-            new_state[POSITIONS] = new_positions.expand(num_kv_heads, -1)
+            positions_buffer = self._state_buffer(layer_name, POSITIONS, k_view)
+            ops.write_tokens(positions_buffer, row.block_ids, step.phys_before, new_positions.expand(num_kv_heads, -1))
+            n = step.phys_after
+            kernels = PagedScoreKernels(
+                k_cache=k_view, v_cache=v_view, positions=positions_buffer, block_ids=row.block_ids, length=n,
+                new_start=step.phys_before,
+                nu_buffer=self._state_buffer(layer_name, "nu", k_view) if "nu" in policy.state_names else None)
+            new_state = policy.init_state(new_keys, new_values, o_proj if policy.needs_o_proj else None, kernels)
             for name, values in new_state.items():
                 buffer = self._state_buffer(layer_name, name, k_view)
                 ops.write_tokens(buffer, row.block_ids, step.phys_before, values)
             window = self._update_query_window(row, layer_index, query[span].transpose(0, 1), new_positions)
             if step.keep is None and not policy.needs_every_step:
                 continue
-            n = step.phys_after
-            names = (POSITIONS, *policy.state_names)
-            buffers = {name: self._state_buffer(layer_name, name, k_view) for name in names}
+            buffers = {name: self._state_buffer(layer_name, name, k_view) for name in (POSITIONS, *policy.state_names)}
             gathered = {name: ops.gather_tokens(buf, row.block_ids, n) for name, buf in buffers.items()}
             inputs = EvictionInputs(
-                keys=ops.gather_tokens(k_view, row.block_ids, n),
-                values=ops.gather_tokens(v_view, row.block_ids, n),
+                # K and V are gathered only if the policy reads them beyond what ``kernels`` computes.
+                keys=Deferred(partial(ops.gather_tokens, k_view, row.block_ids, n)),
+                values=Deferred(partial(ops.gather_tokens, v_view, row.block_ids, n)),
                 positions=gathered.pop(POSITIONS), queries=window.queries, query_positions=window.positions,
                 scale=float(impl.scale), seq_len=step.tokens_before + step.num_new, num_new=step.num_new,
                 phase=step.phase, state=gathered, layer=layer_index, seed=step.config.seed,
-                o_proj=o_proj if policy.needs_o_proj else None)
+                o_proj=o_proj if policy.needs_o_proj else None, kernels=kernels)
             result = policy.step(inputs, step.keep)
             for name in policy.state_names:
                 ops.write_tokens(buffers[name], row.block_ids, 0, result.state[name])

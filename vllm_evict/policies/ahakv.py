@@ -26,16 +26,16 @@ end that needs no eviction (i <= k there).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_evict.policies.attention import attention_column_sums, order_by_position
+from vllm_evict.policies.attention import order_by_position
 from vllm_evict.policies.base import (
     EvictionInputs, Phase, Policy, StepResult, protect, recent_mask, sink_mask, topk_keep,
 )
+from vllm_evict.policies.kernels import DENSE, ScoreKernels
 from vllm_evict.policies.options import check_int, check_odd_kernel
 
 
@@ -87,7 +87,8 @@ class AhaKV(Policy):
         return self.recent + self.sinks
 
     # ---- per-token state -----------------------------------------------------------------
-    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None) -> dict[str, Tensor]:
+    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
+                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
         vnorm = new_values.float().pow(2).sum(dim=-1)  # nu = |v|^2 in fp32 (§3.7)
         return {"vnorm": vnorm, "score": torch.zeros_like(vnorm)}
 
@@ -97,7 +98,7 @@ class AhaKV(Policy):
     def step(self, inp: EvictionInputs, budget: int | None) -> StepResult:
         """Update the score (seed it with F_hat at a prompt end / prefill eviction, accumulate in decode),
         then, when evicting, keep the protected tokens plus the top of that score."""
-        inp = replace(inp, budget=budget)
+        inp = inp.evolve(budget=budget)
         state = self._next_state(inp, budget)
         if budget is None or budget >= inp.num_tokens:
             return StepResult(state=state, keep=None)
@@ -118,7 +119,7 @@ class AhaKV(Policy):
         if "vnorm" not in state:
             state["vnorm"] = inp.values.float().pow(2).sum(dim=-1)
         if "score" not in state:
-            state["score"] = torch.zeros(inp.keys.shape[:2], dtype=torch.float32, device=inp.keys.device)
+            state["score"] = torch.zeros(inp.positions.shape, dtype=torch.float32, device=inp.device)
         return state
 
     # ---- scoring ---------------------------------------------------------------------------
@@ -133,8 +134,7 @@ class AhaKV(Policy):
         """F [H_kv, n]: SG-softmax rows of the last r queries, summed over rows and the GQA group (§3.4, §3.6)."""
         q = inp.queries[:, -self.recent:]
         qpos = inp.query_positions[-self.recent:]
-        sums = attention_column_sums(inp.keys, inp.positions, q, qpos, inp.scale, gain=self.gain(inp, budget))
-        return sums.sum(dim=1)
+        return inp.kernels.column_sums(inp, q, qpos, gain=self.gain(inp, budget))
 
     def refined_score(self, inp: EvictionInputs, budget: int | None = None) -> Tensor:
         """F_hat = gamma_bar * F (Eq. 15), fp32 [H_kv, n], finite and non-negative."""
@@ -145,11 +145,10 @@ class AhaKV(Policy):
         """SG-softmax row(s) of this step's query (the last ``num_new`` queries), summed over the group."""
         m = min(inp.num_new, inp.queries.shape[1])
         if m <= 0:
-            return torch.zeros(inp.keys.shape[:2], dtype=torch.float32, device=inp.keys.device)
+            return torch.zeros(inp.positions.shape, dtype=torch.float32, device=inp.device)
         q = inp.queries[:, inp.queries.shape[1] - m:]
         qpos = inp.query_positions[inp.query_positions.shape[0] - m:]
-        sums = attention_column_sums(inp.keys, inp.positions, q, qpos, inp.scale, gain=self.gain(inp, budget))
-        return sums.sum(dim=1)
+        return inp.kernels.column_sums(inp, q, qpos, gain=self.gain(inp, budget))
 
     def ranking(self, inp: EvictionInputs) -> Tensor:
         """What a selection ranks by: F_hat in a prompt phase, the accumulated ``score`` in decode.

@@ -12,17 +12,24 @@ Shapes (one layer, one sequence):
     query_positions   [w]            logical positions of those queries (int64)
     state[name]       [H_kv, n]      persistent per-token state (fp32), compacted together with K and V
 Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model.
+
+``keys`` and ``values`` may be given as a ``Deferred`` loader instead of a tensor: the engine does so,
+and its paged ``inp.kernels`` (see kernels.py) computes the heavy scores without them, so K and V are
+gathered out of the paged cache only by a policy that actually reads them.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
+
+from vllm_evict.policies.kernels import DENSE, ScoreKernels
 
 
 class Phase(str, enum.Enum):
@@ -33,10 +40,40 @@ class Phase(str, enum.Enum):
     DECODE = "decode"  # generated tokens only
 
 
+class Deferred:
+    """A tensor computed on first use and then remembered (shared by copies of the inputs)."""
+
+    def __init__(self, load: Callable[[], Tensor]) -> None:
+        self._load: Callable[[], Tensor] | None = load
+        self._value: Tensor | None = None
+
+    def __call__(self) -> Tensor:
+        if self._load is not None:
+            self._value, self._load = self._load(), None
+        assert self._value is not None
+        return self._value
+
+
+class _TensorOrDeferred:
+    """Dataclass field holding a Tensor or a ``Deferred``; reading it always yields the Tensor."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Tensor:
+        if obj is None:
+            raise AttributeError(self.name)  # so that dataclass sees a required field, not a default
+        value = obj.__dict__[self.slot]
+        return value() if isinstance(value, Deferred) else value
+
+    def __set__(self, obj: Any, value: "Tensor | Deferred") -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class EvictionInputs:
-    keys: Tensor
-    values: Tensor
+    keys: Tensor = _TensorOrDeferred()  # type: ignore[assignment]
+    values: Tensor = _TensorOrDeferred()  # type: ignore[assignment]
     positions: Tensor
     queries: Tensor
     query_positions: Tensor
@@ -49,21 +86,34 @@ class EvictionInputs:
     seed: int = 0  # per-request seed; policies derive per-(layer, head) streams from it
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
     budget: int | None = None  # tokens this step keeps per head (None: no eviction); set by ``step``
+    kernels: ScoreKernels = DENSE  # where the heavy score arithmetic runs (the engine's reads pages)
 
+    # Shapes come from ``positions``, which is always a tensor, so asking them loads nothing.
     @property
     def num_kv_heads(self) -> int:
-        return self.keys.shape[0]
+        return self.positions.shape[0]
 
     @property
     def num_tokens(self) -> int:
-        return self.keys.shape[1]
+        return self.positions.shape[1]
 
     @property
     def group_size(self) -> int:
-        return self.queries.shape[0] // self.keys.shape[0]
+        return self.queries.shape[0] // self.num_kv_heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def evolve(self, **changes: Any) -> "EvictionInputs":
+        """A copy with some fields changed; unlike ``dataclasses.replace`` it loads nothing deferred."""
+        new = copy.copy(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
 
     def with_state(self, state: dict[str, Tensor]) -> "EvictionInputs":
-        return replace(self, state=state)
+        return self.evolve(state=state)
 
 
 @dataclass
@@ -121,7 +171,8 @@ class Policy(ABC):
         """Raise ValueError for options that do not fit this ``budget`` (beyond ``protected_count``)."""
 
     # ---- per-token state -----------------------------------------------------------------
-    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None) -> dict[str, Tensor]:
+    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
+                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
         """State of tokens entering the cache ([H_kv, m, d] each) -> {name: [H_kv, m]}."""
         h, m = new_values.shape[0], new_values.shape[1]
         return {name: torch.zeros(h, m, dtype=torch.float32, device=new_values.device) for name in self.state_names}
@@ -137,7 +188,7 @@ class Policy(ABC):
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         """Bool [H_kv, n]: tokens that are always kept. Default: none."""
-        return torch.zeros(inp.keys.shape[:2], dtype=torch.bool, device=inp.keys.device)
+        return torch.zeros(inp.positions.shape, dtype=torch.bool, device=inp.device)
 
     @abstractmethod
     def scores(self, inp: EvictionInputs) -> Tensor:
@@ -148,7 +199,7 @@ class Policy(ABC):
 
     def step(self, inp: EvictionInputs, budget: int | None) -> StepResult:
         """One step for one layer: update state, and if ``budget`` is given, choose the survivors."""
-        inp = replace(inp, budget=budget)
+        inp = inp.evolve(budget=budget)
         state = self.update_state(inp) if (self.needs_every_step or budget is not None) else inp.state
         if budget is None or budget >= inp.num_tokens:
             return StepResult(state=state, keep=None)
@@ -243,8 +294,9 @@ class MetaPolicy(Policy):
     def validate(self, budget: int) -> None:
         self.base.validate(budget)
 
-    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None) -> dict[str, Tensor]:
-        return self.base.init_state(new_keys, new_values, o_proj)
+    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
+                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
+        return self.base.init_state(new_keys, new_values, o_proj, kernels)
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         return self.base.update_state(inp)

@@ -44,9 +44,9 @@ def _snapkv_group_masses(policy: Policy, inp: EvictionInputs) -> Tensor:
     With average pooling the group mean of this equals ``SnapKV.attention_mass`` (pooling is linear);
     with max pooling each query head is pooled on its own, which is what per-head scoring means.
     """
-    from vllm_evict.policies.attention import attention_column_sums, pool_in_position_order
+    from vllm_evict.policies.attention import pool_in_position_order
 
-    sums = attention_column_sums(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)
+    sums = inp.kernels.column_sums(inp, inp.queries, inp.query_positions, per_query_head=True)
     return pool_in_position_order(sums, inp.positions, policy.kernel, policy.pooling)
 
 
@@ -118,24 +118,22 @@ class CAOTE(MetaPolicy):
                 f"caote_mode 'head' needs the base's per-query-head attention mass, which {self.base.name} "
                 f"does not provide; use caote_mode 'group', or one of these bases: {valid}")
 
-    def _center(self, alpha: Tensor, values: Tensor) -> Tensor:
+    def _head_centers(self, alpha: Tensor, values: Tensor) -> Tensor:
+        """X_g per query head [H_kv, G, d] for ``alpha`` [H_kv, G, n] (head mode)."""
         v = values.float()
         if self.fast:
-            mean = v.mean(dim=1)  # [H_kv, d], shared by every query head of the group
-            return mean if alpha.dim() == 2 else mean.unsqueeze(1).expand(-1, alpha.shape[1], -1)
-        if alpha.dim() == 2:
-            return torch.einsum("hn,hnd->hd", alpha, v)
+            return v.mean(dim=1).unsqueeze(1).expand(-1, alpha.shape[1], -1)  # one mean for the group
         return torch.einsum("hgn,hnd->hgd", alpha, v)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         if self.caote_mode == "head":
             mass = group_mass_fn(self.base)(self.base, inp)  # [H_kv, G, n]
             alpha = normalise_mass(mass)
-            per_head = output_error(alpha, inp.values, self._center(alpha, inp.values), self.eps)
+            per_head = output_error(alpha, inp.values, self._head_centers(alpha, inp.values), self.eps)
             c = torch.linalg.vector_norm(per_head, dim=1)  # quadrature over the group; +inf stays +inf
         else:
             alpha = normalise_mass(self.base.attention_mass(inp))  # [H_kv, n]
-            c = output_error(alpha, inp.values, self._center(alpha, inp.values), self.eps)
+            c = inp.kernels.value_error(inp, alpha, self.fast, self.eps)
         return protect(c, self.base.protected_mask(inp))
 
 

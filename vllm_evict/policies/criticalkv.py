@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from vllm_evict.policies.base import EvictionInputs, MetaPolicy, protect, topk_keep
+from vllm_evict.policies.kernels import DENSE, ScoreKernels
 from vllm_evict.policies.options import check_float
 
 # Elements of the [H_kv, G, tokens, hidden] projected-value block materialised at once (64 MiB fp32).
@@ -150,9 +151,10 @@ class CriticalKV(MetaPolicy):
         check_float("alpha", self.alpha, low=0.0, high=1.0, low_open=True)
         check_float("epsilon", self.epsilon, low=0.0)
 
-    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None) -> dict[str, Tensor]:
-        state = dict(self.base.init_state(new_keys, new_values, o_proj))
-        state["nu"] = projected_value_l1(new_values, o_proj)
+    def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
+                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
+        state = dict(self.base.init_state(new_keys, new_values, o_proj, kernels))
+        state["nu"] = kernels.projected_value_norms(new_values, o_proj)
         return state
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:

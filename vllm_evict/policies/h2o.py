@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.attention import attention_column_sums
 from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
 
 
@@ -35,9 +34,9 @@ class H2O(SinksAndRecent):
         Tokens of this step arrive with acc = 0 (``init_state``) and pick up their own block's
         attention here; the causal mask (by logical position) keeps earlier queries off later tokens.
         """
-        sums = attention_column_sums(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)
+        mean = inp.kernels.column_sums(inp, inp.queries, inp.query_positions) / inp.group_size
         # Out of place: the caller's state must survive if this step is retried or compared.
-        return {**inp.state, "acc": inp.state["acc"].float() + sums.mean(dim=1)}
+        return {**inp.state, "acc": inp.state["acc"].float() + mean}
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         return inp.state["acc"].float()

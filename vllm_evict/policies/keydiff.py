@@ -56,4 +56,4 @@ class KeyDiff(SinksAndRecent):
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         # The anchor covers every candidate, protected ones included (keydiff.md §9.6).
-        return protect(keydiff_scores(inp.keys), self.protected_mask(inp))
+        return protect(inp.kernels.keydiff_scores(inp), self.protected_mask(inp))

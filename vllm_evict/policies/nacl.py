@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.attention import attention_column_sums
 from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask, topk_keep
 from vllm_evict.policies.options import check_float, check_int
 
@@ -135,11 +134,11 @@ class NaCl(Policy):
     def proxy_score(self, inp: EvictionInputs, n_proxy: int) -> Tensor:
         """F [H_kv, n]: causal softmax column sums over the last ``n_proxy`` queries, GQA group mean."""
         if n_proxy <= 0:
-            return torch.zeros(inp.keys.shape[:2], dtype=torch.float32, device=inp.keys.device)
+            return torch.zeros(inp.positions.shape, dtype=torch.float32, device=inp.device)
         w = inp.queries.shape[1]
         q = inp.queries[:, w - n_proxy:]
         qpos = inp.query_positions[w - n_proxy:]
-        return attention_column_sums(inp.keys, inp.positions, q, qpos, inp.scale).mean(dim=1)
+        return inp.kernels.column_sums(inp, q, qpos) / inp.group_size
 
     def _protected(self, inp: EvictionInputs, n_proxy: int) -> Tensor:
         return sink_mask(inp.positions, self.sinks) | recent_mask(inp.positions, n_proxy)
@@ -164,9 +163,9 @@ class NaCl(Policy):
 
     def noise(self, inp: EvictionInputs) -> Tensor:
         """Gumbel noise [H_kv, n], one reproducible stream per (seed, layer, KV head, logical length)."""
-        h_kv, n = inp.keys.shape[:2]
+        h_kv, n = inp.positions.shape
         rows = [gumbel_noise(n, stream_seed(inp.seed, inp.layer, h, inp.seq_len)) for h in range(h_kv)]
-        return torch.stack(rows).to(inp.keys.device)
+        return torch.stack(rows).to(inp.device)
 
     def partition(self, inp: EvictionInputs, budget: int) -> NaClSelection:
         n_p = self.proxy_count(inp, budget)

@@ -36,5 +36,5 @@ class RandomPolicy(SinksAndRecent):
     def scores(self, inp: EvictionInputs) -> Tensor:
         gen = torch.Generator(device="cpu").manual_seed(stream_seed(inp.seed, inp.layer, inp.seq_len))
         # Drawn on the CPU and then moved, so that CPU and GPU runs keep the same tokens.
-        draw = torch.rand(inp.keys.shape[:2], generator=gen, dtype=torch.float32)
-        return protect(draw.to(inp.keys.device), self.protected_mask(inp))
+        draw = torch.rand(inp.positions.shape, generator=gen, dtype=torch.float32)
+        return protect(draw.to(inp.device), self.protected_mask(inp))

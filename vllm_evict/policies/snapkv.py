@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.attention import attention_column_sums, pool_in_position_order
+from vllm_evict.policies.attention import pool_in_position_order
 from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
 from vllm_evict.policies.options import check_choice, check_int, check_odd_kernel
 
@@ -37,8 +37,7 @@ class SnapKV(Policy):
 
     def window_mass(self, inp: EvictionInputs) -> Tensor:
         """Attention of the window queries summed over the window, GQA group mean: [H_kv, n]."""
-        sums = attention_column_sums(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)
-        return sums.mean(dim=1)
+        return inp.kernels.column_sums(inp, inp.queries, inp.query_positions) / inp.group_size
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """Pooled over the whole token axis, window tokens included, so the mass is finite everywhere:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.attention import attention_column_sums
 from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
 
 
@@ -27,12 +26,11 @@ class TOVA(SinksAndRecent):
     def group_masses(self, inp: EvictionInputs) -> Tensor:
         """A^(g)_{last, j} for every query head g of each group: [H_kv, G, n] (CAOTE's per-head mode)."""
         # Slice defensively: whatever window the caller hands over, only the newest query counts.
-        return attention_column_sums(inp.keys, inp.positions, inp.queries[:, -1:], inp.query_positions[-1:],
-                                     inp.scale)
+        return inp.kernels.column_sums(inp, inp.queries[:, -1:], inp.query_positions[-1:], per_query_head=True)
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """h_j = (1/G) sum_g A^(g)_{last, j}: one softmax row per query head, so it sums to 1 per KV head."""
-        return self.group_masses(inp).mean(dim=1)
+        return inp.kernels.column_sums(inp, inp.queries[:, -1:], inp.query_positions[-1:]) / inp.group_size
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         return protect(self.attention_mass(inp), self.protected_mask(inp))
