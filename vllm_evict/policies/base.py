@@ -86,7 +86,7 @@ class EvictionInputs:
     seed: int = 0  # per-request seed; policies derive per-(layer, head) streams from it
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
     budget: int | None = None  # tokens this step keeps per head (None: no eviction); set by ``step``
-    kernels: ScoreKernels = DENSE  # where the heavy score arithmetic runs (the engine's reads pages)
+    kernels: ScoreKernels = DENSE  # where the heavy score arithmetic runs (the engine's reads its pages)
 
     # Shapes come from ``positions``, which is always a tensor, so asking them loads nothing.
     @property
