@@ -178,26 +178,30 @@ class Case:
         ids, n = self.table[0].long(), self.context
         positions = torch.zeros(self.nu.shape, dtype=torch.int64, device=self.device)
         paged.write_tokens(positions, ids, 0, torch.arange(n, device=self.device).expand(H_KV, n))
-        nu = self.nu if "nu" in policy.state_names else None
+        start = max(0, n - CHUNK)  # this chunk's tokens are the last CHUNK slots
+        buffers = {name: torch.zeros(self.nu.shape, device=self.device) for name in policy.state_names}
         kernels = PagedScoreKernels(k_cache=self.k, v_cache=self.v, positions=positions, block_ids=ids, length=n,
-                                    new_start=max(0, n - CHUNK), nu_buffer=nu)
+                                    new_start=start, state_buffer=buffers.__getitem__)
+        # The runner has the chunk's K/V from the layer's inputs; here they are taken once, untimed.
+        new_keys = paged.gather_tokens(self.k, ids, n)[:, start:]
+        new_values = paged.gather_tokens(self.v, ids, n)[:, start:]
         queries = self.queries.transpose(0, 1)  # [H_q, w, d]
         window = policy.query_window
 
         def step() -> None:
-            new_values = self.v[:0]  # unused by the paged nu path, which reads the cache
-            state = policy.init_state(new_values, new_values, self.o_proj, kernels) if nu is not None else {}
-            gathered = {name: ops.gather_tokens(self.nu, ids, n) for name in state}
+            for name, values in policy.init_state(new_keys, new_values, self.o_proj, kernels).items():
+                ops.write_tokens(buffers[name], ids, start, values)
             inp = EvictionInputs(
                 keys=Deferred(partial(ops.gather_tokens, self.k, ids, n)),
                 values=Deferred(partial(ops.gather_tokens, self.v, ids, n)),
                 positions=ops.gather_tokens(positions, ids, n),
                 queries=queries if window is None else queries[:, queries.shape[1] - window:],
                 query_positions=self.qpos if window is None else self.qpos[self.qpos.shape[0] - window:],
-                scale=D ** -0.5, seq_len=n, num_new=CHUNK, phase=Phase.PROMPT_END, state=gathered,
+                scale=D ** -0.5, seq_len=n, num_new=n - start, phase=Phase.PROMPT_END,
+                state={name: ops.gather_tokens(buf, ids, n) for name, buf in buffers.items()},
                 o_proj=self.o_proj, kernels=kernels)
             result = policy.step(inp, budget)
-            ops.compact_tokens([self.k, self.v, positions, *([nu] if nu is not None else [])], ids, result.keep)
+            ops.compact_tokens([self.k, self.v, positions, *buffers.values()], ids, result.keep)
 
         return step
 

@@ -829,6 +829,19 @@ def _cases() -> list[Any]:
         add(f"{impl}.do_kv_cache_update", expect_params(f"{path}.do_kv_cache_update", "self", "layer", "key", "value",
                                                         "kv_cache", "slot_mapping", prefix=True), scope="gpu")
 
+    # -- engine/runner.py: CriticalKV's o_proj weight, recovered through the layer's matmul when vLLM
+    #    repacks it (the CPU backend leaves o_proj.weight empty)
+    linear = "vllm.model_executor.layers.linear"
+    add("LinearMethodBase.apply", expect_params(f"{linear}.LinearMethodBase.apply", "self", "layer", "x", "bias",
+                                                prefix=True))
+    add("UnquantizedLinearMethod.apply", expect_params(f"{linear}.UnquantizedLinearMethod.apply", "self", "layer",
+                                                       "x", "bias", prefix=True))
+    add("LinearBase.quant_method", expect_source(f"{linear}.LinearBase.__init__", r"self\.quant_method\s*=",
+                                                 "no longer sets self.quant_method"))
+    add("RowParallelLinear.input_size_per_partition", expect_source(
+        f"{linear}.RowParallelLinear.__init__", r"self\.input_size_per_partition\s*=",
+        "no longer sets self.input_size_per_partition"))
+
     # -- engine/worker.py
     add("vllm.v1.worker.cpu_worker.CPUWorker.init_device", check_cpu_worker, scope="cpu")
     add("vllm.v1.worker.gpu_worker.Worker.init_device", check_gpu_worker)

@@ -29,7 +29,8 @@ def engine_kept_positions(engine, prompt_ids, params):
 
 
 @pytest.mark.parametrize("spec,schedule", [("keydiff", "chunked"), ("h2o", "chunked"), ("snapkv", "oneshot"),
-                                           ("caote+snapkv", "chunked")])
+                                           ("caote+snapkv", "chunked"), ("criticalkv+snapkv", "oneshot"),
+                                           ("ahakv", "oneshot"), ("nacl", "oneshot")])
 def test_engine_keeps_what_the_reference_keeps(smollm2_path, engine_factory, spec, schedule):
     budget = 96
     eviction = {"policy": spec, "budget": budget, "schedule": schedule}

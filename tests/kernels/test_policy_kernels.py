@@ -115,9 +115,9 @@ def test_criticalkv_nu_written_into_the_paged_state(device, backend):
     nu_buffer = torch.zeros(nb, HEADS, BS, dtype=torch.float32, device=device)
     start = 50  # this step's tokens are slots 50..74
     kernels = PagedScoreKernels(k_cache=k, v_cache=v, positions=pos_buffer, block_ids=ids, length=N,
-                                new_start=start, nu_buffer=nu_buffer, backend=backend)
+                                new_start=start, state_buffer={"nu": nu_buffer}.__getitem__, backend=backend)
     dense_v = paged.gather_tokens(v, ids, N)
-    got = kernels.projected_value_norms(dense_v[:, start:], o_proj)
+    got = kernels.projected_value_norms(dense_v[:, start:], o_proj, state_name="nu")
     want = projected_value_l1(dense_v[:, start:], o_proj)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     stored = paged.gather_tokens(nu_buffer, ids, N)

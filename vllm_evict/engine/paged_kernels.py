@@ -10,7 +10,7 @@ no K or V is gathered into a dense copy for it. Policies cannot tell it from the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +32,8 @@ class PagedScoreKernels(ScoreKernels):
     block_ids: Tensor  # int64 [pages]
     length: int  # physical tokens the request has in cache, this step's included
     new_start: int = 0  # first slot of this step's tokens (CriticalKV computes their nu)
-    nu_buffer: Tensor | None = None  # fp32 [num_blocks, H_kv, block_size]: where nu is stored
+    # name -> the layer's paged per-token state buffer fp32 [num_blocks, H_kv, block_size]
+    state_buffer: Callable[[str], Tensor] | None = None
     backend: str | None = None  # None: ops picks by device; tests force "torch" or "triton"
 
     def _lengths(self, length: int | None = None) -> Tensor:
@@ -66,13 +67,16 @@ class PagedScoreKernels(ScoreKernels):
         return ops.caote_scores(self.v_cache, self.block_ids.unsqueeze(0), self._lengths(), alpha.unsqueeze(0),
                                 fast=fast, eps=eps, backend=self.backend)[0]
 
-    def projected_value_norms(self, new_values: Tensor, o_proj: Tensor | None) -> Tensor:
+    def projected_value_norms(self, new_values: Tensor, o_proj: Tensor | None, state_name: str) -> Tensor:
         """nu of this step's tokens, computed from their values already in the cache and written into
-        ``nu_buffer``; returned too, so the caller's ordinary state write stays uniform."""
-        if self.nu_buffer is None or o_proj is None:
-            return super().projected_value_norms(new_values, o_proj)
+        the state buffer ``state_name``; returned too, so the caller's ordinary state write stays uniform."""
+        if self.state_buffer is None or o_proj is None:
+            return super().projected_value_norms(new_values, o_proj, state_name)
         device = self.v_cache.device
+        buffer = self.state_buffer(state_name)
         ops.criticalkv_value_norms(
             self.v_cache, self.block_ids.unsqueeze(0), torch.tensor([self.new_start], device=device),
-            torch.tensor([self.length], device=device), o_proj, self.nu_buffer, backend=self.backend)
-        return ops.gather_tokens(self.nu_buffer, self.block_ids, self.length)[:, self.new_start:]
+            torch.tensor([self.length], device=device), o_proj, buffer, backend=self.backend)
+        slots = torch.arange(self.new_start, self.length, device=buffer.device)
+        page = buffer.shape[2]
+        return buffer[self.block_ids[slots // page], :, slots % page].transpose(0, 1)  # [H_kv, m]

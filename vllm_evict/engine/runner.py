@@ -86,6 +86,7 @@ class EvictRunnerMixin:
         self.evict_views: KVViews | None = None
         self.evict_state_buffers: dict[str, dict[str, Tensor]] = {}
         self.evict_layout = ""
+        self.evict_o_proj: dict[str, Tensor] = {}  # layer name -> output projection weight
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
@@ -239,14 +240,14 @@ class EvictRunnerMixin:
             new_keys, new_values = key[span].transpose(0, 1), value[span].transpose(0, 1)  # [H_kv, m, d]
             new_positions = torch.arange(step.tokens_before, step.tokens_before + step.num_new, device=key.device)
             if policy.needs_o_proj and o_proj is None:
-                o_proj = self._o_proj_weight(layer_name)
+                o_proj = self._o_proj_weight(layer_name, query.dtype)
             positions_buffer = self._state_buffer(layer_name, POSITIONS, k_view)
             ops.write_tokens(positions_buffer, row.block_ids, step.phys_before, new_positions.expand(num_kv_heads, -1))
             n = step.phys_after
             kernels = PagedScoreKernels(
                 k_cache=k_view, v_cache=v_view, positions=positions_buffer, block_ids=row.block_ids, length=n,
                 new_start=step.phys_before,
-                nu_buffer=self._state_buffer(layer_name, "nu", k_view) if "nu" in policy.state_names else None)
+                state_buffer=lambda name: self._state_buffer(layer_name, name, k_view))
             new_state = policy.init_state(new_keys, new_values, o_proj if policy.needs_o_proj else None, kernels)
             for name, values in new_state.items():
                 buffer = self._state_buffer(layer_name, name, k_view)
@@ -286,13 +287,41 @@ class EvictRunnerMixin:
         self.evict_state.windows[key] = window
         return window
 
-    def _o_proj_weight(self, layer_name: str) -> Tensor:
-        """This layer's output projection [hidden, H_q * d] (CriticalKV projects values through it)."""
+    def _o_proj_weight(self, layer_name: str, dtype: torch.dtype) -> Tensor:
+        """This layer's output projection [hidden, H_q * d] on this rank (CriticalKV projects values
+        through it), read once per layer and remembered."""
+        cached = self.evict_o_proj.get(layer_name)
+        if cached is not None:
+            return cached
         prefix = layer_name.rsplit(".", 1)[0]
         model = self.get_model()  # type: ignore[attr-defined]
         try:
-            weight = model.get_submodule(prefix + ".o_proj").weight
+            module = model.get_submodule(prefix + ".o_proj")
         except AttributeError as err:
-            raise ValueError(f"this policy needs the output projection of {layer_name}, but "
-                             f"{prefix}.o_proj has no plain weight") from err
-        return weight
+            raise ValueError(f"this policy needs the output projection of {layer_name}, but the model has no "
+                             f"{prefix}.o_proj; choose a policy without criticalkv") from err
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, Tensor) and weight.dim() == 2 and weight.numel() > 0 and weight.is_floating_point():
+            result = weight
+        else:
+            result = _weight_from_linear(module, dtype)
+        self.evict_o_proj[layer_name] = result
+        return result
+
+
+def _weight_from_linear(module: Any, dtype: torch.dtype, rows: int = 1024) -> Tensor:
+    """The effective weight [out, in] of a vLLM linear layer whose ``weight`` is not a plain matrix.
+
+    vLLM's CPU backend repacks linear weights for oneDNN and leaves ``weight`` empty (quantized layers
+    store theirs packed too). The layer's own matmul applied to the identity gives W^T exactly, without
+    bias and, on a row-parallel layer, without the all-reduce, i.e. this rank's slice.
+    """
+    size = int(module.input_size_per_partition)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    parts = []
+    for start in range(0, size, rows):  # a block of identity rows at a time bounds the memory
+        count = min(rows, size - start)
+        eye = torch.zeros(count, size, dtype=dtype, device=device)
+        eye[torch.arange(count), torch.arange(start, start + count)] = 1
+        parts.append(module.quant_method.apply(module, eye, bias=None))
+    return torch.cat(parts).t().contiguous()

@@ -154,7 +154,7 @@ class CriticalKV(MetaPolicy):
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
                    kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
         state = dict(self.base.init_state(new_keys, new_values, o_proj, kernels))
-        state["nu"] = kernels.projected_value_norms(new_values, o_proj)
+        state["nu"] = kernels.projected_value_norms(new_values, o_proj, state_name="nu")
         return state
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:

@@ -47,8 +47,11 @@ class ScoreKernels:
         center = v.mean(dim=1) if fast else torch.einsum("hn,hnd->hd", alpha, v)
         return output_error(alpha, v, center, eps)
 
-    def projected_value_norms(self, new_values: Tensor, o_proj: Tensor | None) -> Tensor:
-        """CriticalKV's ν of the tokens entering the cache, ``new_values`` [H_kv, m, d] -> [H_kv, m]."""
+    def projected_value_norms(self, new_values: Tensor, o_proj: Tensor | None, state_name: str) -> Tensor:
+        """CriticalKV's ν of the tokens entering the cache, ``new_values`` [H_kv, m, d] -> [H_kv, m].
+
+        ``state_name``: the per-token state the policy keeps ν in (a paged implementation may write it
+        there directly)."""
         from vllm_evict.policies.criticalkv import projected_value_l1
 
         return projected_value_l1(new_values, o_proj)
