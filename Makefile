@@ -58,7 +58,7 @@ models: install
 	$(PY) -m vllm_evict prepare-models smollm2-135m-instruct
 
 test: install models
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # `make run`: vLLM's OpenAI-compatible server on the default model with eviction on, in the foreground
 # (Ctrl-C stops it). Override e.g. `make run RUN_EVICTION="--kv-eviction keydiff --kv-budget 512" RUN_PORT=8001`.
