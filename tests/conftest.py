@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 import pytest
 
@@ -26,3 +27,17 @@ def smollm2_path():
     from vllm_evict import models
 
     return models.prepare("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread() -> Iterator[None]:
+    """One PyTorch intra-op thread for a module of tiny tensor ops, restored afterwards.
+
+    On a small, shared CPU the thread start-up and spin-wait of a second OpenMP thread dominate such ops
+    (measured ~50x slower on 2 busy cores). Restoring matters: the engine tests need both cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,6 @@ determinism."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -25,14 +24,9 @@ TEXT = ("The Roman Empire was the post-Republican state of ancient Rome. It incl
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    # One intra-op thread: these are tiny matmuls, and on a shared 2-core machine a second spinning
-    # OpenMP thread makes them ~10x slower under load.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, tokenizer = reference.load_model(smollm2_path, dtype=torch.float32)
-    yield model, tokenizer
-    torch.set_num_threads(threads)
+def smollm2(smollm2_path, one_intra_op_thread):
+    # Tiny matmuls: one_intra_op_thread keeps a second spinning OpenMP thread from slowing them ~10x.
+    return reference.load_model(smollm2_path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
