@@ -8,10 +8,10 @@ One function per operation. The backend is picked per call:
 * CUDA tensors take the op's preferred backend when it is available for these arguments, else the
   next one in the order cuda -> triton -> torch.
 
-The preference table starts as: CUDA for ``compact_tokens`` and ``window_attention_mass`` (when the
+The preference table starts as: CUDA for ``compact_tokens`` and ``window_mass`` (when the
 extension builds), Triton for the rest. ``benchmarks/kernels.py`` measures both and prints the table
 to use; set it with ``set_preference(op, backend)`` or the environment variable
-``VLLM_EVICT_KERNELS="window_attention_mass=triton,compact_tokens=cuda"``.
+``VLLM_EVICT_KERNELS="window_mass=triton,compact_tokens=cuda"``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vllm_evict import paged
+from vllm_evict import dense, paged
 
 BACKENDS = ("cuda", "triton", "torch")
-OPS = ("gather_tokens", "compact_tokens", "window_attention_mass", "keydiff_scores", "caote_scores",
-       "criticalkv_value_norms")
-CUDA_OPS = ("compact_tokens", "window_attention_mass")
+OPS = ("compact_tokens", "window_mass", "keydiff_scores", "output_error", "value_norms")
+CUDA_OPS = ("compact_tokens", "window_mass")
 DEFAULT_PREFERENCE = {op: ("cuda" if op in CUDA_OPS else "triton") for op in OPS}
 _preference: dict[str, str] = dict(DEFAULT_PREFERENCE)
 
@@ -132,105 +131,77 @@ def select_backend(op: str, device: torch.device, backend: str | None = None, cu
 
 
 # ---- operations ------------------------------------------------------------------------------------
-def gather_tokens(cache: Tensor, block_ids: Tensor, length: int, *, backend: str | None = None) -> Tensor:
-    """[num_blocks, H, bs, *rest] -> [H, length, *rest] for one request (``paged.gather_tokens``)."""
-    chosen = select_backend("gather_tokens", cache.device, backend, cuda_ok=False)
-    if chosen == "triton" and cache.dim() <= 4:
-        return _triton_module("compact").gather(cache, block_ids, length)
-    return paged.gather_tokens(cache, block_ids, length)
+# Each takes the arguments of its PyTorch reference in vllm_evict/paged.py (or vllm_evict/dense.py for
+# value_norms), where the shapes and the padding convention are documented.
 
 
-def write_tokens(cache: Tensor, block_ids: Tensor, start: int, values: Tensor) -> None:
-    """Write per-token values [H, m, *rest] into slots start..start+m-1 of one request (in place).
-
-    Used by the engine for the state of new tokens; an indexed store with no kernel of its own."""
-    paged.write_tokens(cache, block_ids, start, values)
-
-
-def compact_tokens(caches: list[Tensor], block_ids: Tensor, keep: Tensor, *, counts: Tensor | None = None,
+def compact_tokens(caches: list[Tensor], block_table: Tensor, keep: Tensor, counts: Tensor, *,
                    backend: str | None = None) -> None:
-    """Move each head's kept slots into its first slots, in place, in every tensor of ``caches``
-    (K view, V view, per-token state buffers; any strides).
-
-    One request: ``block_ids`` 1-D and ``keep`` [H, b] (``paged.compact_tokens``). Several requests:
-    ``block_ids`` is the block table [R, P], ``keep`` [R, H, b_max] and ``counts`` [R] how many
-    columns of each row are used (default all). Keep indices are ascending per head.
-    """
+    """Move kept slots ``keep`` [R, H, b] into each row's first ``counts[r]`` slots, per head, in place,
+    in every tensor of ``caches`` (K and V views, positions, state; any strides)."""
     if keep.numel() == 0 or not caches:
         return
     device = caches[0].device
     ok = all(c.dim() in (3, 4) and c.element_size() in (1, 2, 4, 8) for c in caches)
     chosen = select_backend("compact_tokens", device, backend, cuda_ok=ok)
     if chosen == "torch":
-        if keep.dim() == 2:
-            paged.compact_tokens(caches, block_ids, keep)
-        else:
-            paged.compact_tokens_batched(caches, block_ids, keep, counts)
-        return
-    keep3 = keep.unsqueeze(0) if keep.dim() == 2 else keep
-    if chosen == "triton":
-        _triton_module("compact").compact(caches, block_ids, keep3, counts)
-        return
-    ext = cuda_extension()
-    bt = block_ids.unsqueeze(0) if block_ids.dim() == 1 else block_ids
-    if counts is None:
-        counts = torch.full((keep3.shape[0],), keep3.shape[2], dtype=torch.int64, device=device)
-    for cache in caches:
-        ext.compact_(cache, bt, keep3, counts)
+        paged.compact_tokens(caches, block_table, keep, counts)
+    elif chosen == "triton":
+        _triton_module("compact").compact_tokens(caches, block_table, keep, counts)
+    else:
+        ext = cuda_extension()
+        for cache in caches:
+            ext.compact_(cache, block_table, keep, counts)
 
 
-def window_attention_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
-                          query_start_loc: Tensor, query_positions: Tensor, scale: float, *,
-                          positions: Tensor | None = None, gain: Tensor | None = None,
-                          reduce_group: bool = True, max_len: int | None = None,
-                          backend: str | None = None) -> Tensor:
-    """Observation-window attention mass of every request: fp32 [R, H_kv, max_len] (summed over the
-    GQA group) or [R, H_kv, G, max_len]; see ``paged.paged_window_attention_mass``. Pooling, group
-    mean and protection stay with the policy."""
-    ok = (reduce_group and queries.dtype == k_cache.dtype
+def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
+                scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
+                per_query_head: bool = False, backend: str | None = None) -> Tensor:
+    """Window attention mass of every row: fp32 [R, H_kv, width] (summed over the GQA group) or
+    [R, H_kv, G, width]; queries [R, W, H_q, d] with positions [R, W]; gain None or [R, W]."""
+    ok = (not per_query_head and queries.dtype == k_cache.dtype
           and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
-          and k_cache.dim() == 4 and k_cache.shape[3] <= 256
-          and (positions is None or positions.dtype == torch.int64))
-    chosen = select_backend("window_attention_mass", k_cache.device, backend, cuda_ok=ok)
-    args = (k_cache, block_table, lengths, queries, query_start_loc, query_positions, scale)
+          and k_cache.dim() == 4 and k_cache.shape[3] <= 256 and positions.dtype == torch.int32)
+    chosen = select_backend("window_mass", k_cache.device, backend, cuda_ok=ok)
+    args = (k_cache, block_table, lengths, queries, query_positions, scale)
+    kwargs = dict(positions=positions, width=width, gain=gain, per_query_head=per_query_head)
     if chosen == "torch":
-        return paged.paged_window_attention_mass(*args, positions=positions, gain=gain,
-                                                 reduce_group=reduce_group, max_len=max_len)
+        return paged.window_mass(*args, **kwargs)
     if chosen == "triton":
-        return _triton_module("window_mass").window_attention_mass(
-            *args, positions=positions, gain=gain, reduce_group=reduce_group, max_len=max_len)
-    width = int(lengths.max().item()) if max_len is None else int(max_len)
-    return cuda_extension().window_mass(k_cache, block_table, lengths, queries, query_start_loc, query_positions,
-                                        float(scale), positions, gain, width)
+        return _triton_module("window_mass").window_mass(*args, **kwargs)
+    rows, w = query_positions.shape
+    packed = queries.reshape(rows * w, *queries.shape[2:])
+    starts = torch.arange(rows + 1, device=k_cache.device, dtype=torch.int64) * w
+    flat_gain = gain.reshape(-1) if gain is not None else None
+    return cuda_extension().window_mass(k_cache, block_table, lengths, packed, starts, query_positions.reshape(-1),
+                                        float(scale), positions, flat_gain, int(width))
 
 
-def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, max_len: int | None = None,
+def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int,
                    backend: str | None = None) -> Tensor:
-    """KeyDiff −k̂ᵀμ of every request's slots: fp32 [R, H_kv, max_len], -inf padding."""
+    """KeyDiff −k̂ᵀμ of every row's slots: fp32 [R, H_kv, width], -inf padding."""
     chosen = select_backend("keydiff_scores", k_cache.device, backend, cuda_ok=False)
     if chosen == "triton":
-        return _triton_module("keydiff").keydiff_scores(k_cache, block_table, lengths, max_len=max_len)
-    return paged.paged_keydiff_scores(k_cache, block_table, lengths, max_len=max_len)
+        return _triton_module("keydiff").keydiff_scores(k_cache, block_table, lengths, width=width)
+    return paged.keydiff_scores(k_cache, block_table, lengths, width=width)
 
 
-def caote_scores(v_cache: Tensor, block_table: Tensor, lengths: Tensor, alpha: Tensor, *, fast: bool = False,
+def output_error(v_cache: Tensor, block_table: Tensor, lengths: Tensor, alpha: Tensor, *, fast: bool = False,
                  eps: float = 1e-6, backend: str | None = None) -> Tensor:
-    """CAOTE (``fast``: FastCAOTE) value term from normalised base scores ``alpha`` [R, H_kv, width]:
+    """CAOTE's output error (``fast``: FastCAOTE) from normalised base weights ``alpha`` [R, H_kv, width]:
     fp32 [R, H_kv, width], -inf padding."""
-    chosen = select_backend("caote_scores", v_cache.device, backend, cuda_ok=False)
+    chosen = select_backend("output_error", v_cache.device, backend, cuda_ok=False)
     if chosen == "triton":
-        return _triton_module("caote").caote_scores(v_cache, block_table, lengths, alpha, fast=fast, eps=eps)
-    return paged.paged_caote_scores(v_cache, block_table, lengths, alpha, fast=fast, eps=eps)
+        return _triton_module("output_error").output_error(v_cache, block_table, lengths, alpha, fast=fast, eps=eps)
+    return paged.output_error(v_cache, block_table, lengths, alpha, fast=fast, eps=eps)
 
 
-def criticalkv_value_norms(v_cache: Tensor, block_table: Tensor, starts: Tensor, ends: Tensor, o_proj: Tensor,
-                           out: Tensor, *, backend: str | None = None) -> Tensor:
-    """CriticalKV's ν for the new slots ``starts[r]:ends[r]`` of every request, written into the paged
-    fp32 state buffer ``out`` [num_blocks, H_kv, block_size]; returns ``out``."""
-    chosen = select_backend("criticalkv_value_norms", v_cache.device, backend, cuda_ok=False)
+def value_norms(values: Tensor, o_proj: Tensor, *, backend: str | None = None) -> Tensor:
+    """CriticalKV's ν of tokens entering the cache: values [H_kv, T, d] -> fp32 [H_kv, T]."""
+    chosen = select_backend("value_norms", values.device, backend, cuda_ok=False)
     if chosen == "triton":
-        return _triton_module("criticalkv").criticalkv_value_norms(v_cache, block_table, starts, ends, o_proj, out)
-    return paged.paged_criticalkv_value_norms(v_cache, block_table, starts, ends, o_proj, out)
+        return _triton_module("value_norms").value_norms(values, o_proj)
+    return dense.value_norms(values, o_proj)
 
 
 def describe() -> dict[str, str]:

@@ -1,20 +1,20 @@
-"""The contract every eviction policy implements.
+"""The policy contract: pure functions from one layer's candidates to per-head scores and kept slots.
 
-A policy is a pure function of one (layer, sequence): it reads the candidate keys/values of every KV
-head, the observation-window queries and the per-token state, and returns per-head scores, a new
-state, and (when asked to) the kept slot indices. It knows nothing about pages, block tables or
-vLLM: the engine and the HF reference runner gather the tensors and compact the survivors.
+A policy sees R requests (rows) of one layer that share the policy and the phase, padded to N
+candidate slots (``vllm_evict.dense`` documents the padding convention). Per row and KV head:
 
-Shapes (one layer, one sequence):
-    keys, values      [H_kv, n, d]   candidates in slot order (post-RoPE keys), this step's tokens included
-    positions         [H_kv, n]      logical position of each candidate (int64)
-    queries           [H_q, w, d]    observation-window queries (post-RoPE), oldest first
-    query_positions   [w]            logical positions of those queries (int64)
-    state[name]       [H_kv, n]      persistent per-token state (fp32), compacted together with K and V
-Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model.
+- ``positions`` [R, H_kv, N]     logical position of each slot (RoPE stays logical)
+- ``keys``/``values`` [R, H_kv, N, d] the cached post-RoPE keys and the values of the candidates
+- ``queries`` [R, H_q, W, d]     the row's most recent queries (``query_window`` of them), any order,
+  with ``query_positions`` [R, W] (-1: no query in that entry)
+- ``state[name]`` [R, H_kv, N]   persistent per-token state (fp32), compacted together with K and V
+
+Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model. Per-row numbers
+(``seq_len``, ``num_new``, ``budget``, ``seed``) are [R] tensors, so one call serves a whole batch; the
+engine groups rows by (policy, phase) on the host.
 
 ``keys`` and ``values`` may be given as a ``Deferred`` loader instead of a tensor: the engine does so,
-and its paged ``inp.kernels`` (see kernels.py) computes the heavy scores without them, so K and V are
+and its paged ``inp.ops`` (see score_ops.py) computes the heavy scores without them, so K and V are
 gathered out of the paged cache only by a policy that actually reads them.
 """
 
@@ -29,7 +29,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.kernels import DENSE, ScoreKernels
+from vllm_evict import dense
+from vllm_evict.policies.score_ops import DENSE, ScoreOps
 
 
 class Phase(str, enum.Enum):
@@ -75,35 +76,52 @@ class EvictionInputs:
     keys: Tensor = _TensorOrDeferred()  # type: ignore[assignment]
     values: Tensor = _TensorOrDeferred()  # type: ignore[assignment]
     positions: Tensor
+    lengths: Tensor  # int64 [R]: candidates per row; slots at or beyond are padding
     queries: Tensor
     query_positions: Tensor
     scale: float
-    seq_len: int  # logical tokens seen so far, this step's included
-    num_new: int  # candidates added this step (the last ``num_new`` slots)
+    seq_len: Tensor  # int64 [R]: logical tokens seen so far, this step's included
+    num_new: Tensor  # int64 [R]: candidates added this step (each row's last ``num_new`` slots)
     phase: Phase = Phase.PREFILL
     state: dict[str, Tensor] = field(default_factory=dict)
     layer: int = 0
-    seed: int = 0  # per-request seed; policies derive per-(layer, head) streams from it
+    seed: Tensor | int = 0  # per-row seed; policies derive per-(layer, head) streams from it
+    head_offset: int = 0  # global index of KV head 0 here (tensor parallel: the rank's first head)
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
-    budget: int | None = None  # tokens this step keeps per head (None: no eviction); set by ``step``
-    kernels: ScoreKernels = DENSE  # where the heavy score arithmetic runs (the engine's reads its pages)
+    budget: Tensor | None = None  # int64 [R]: tokens each row keeps per head this step (None: no eviction)
+    budget_max: int = 0  # the largest budget, known on the host so that shapes need no device sync
+    ops: ScoreOps = DENSE  # where the heavy score arithmetic runs (the engine's reads its pages)
 
     # Shapes come from ``positions``, which is always a tensor, so asking them loads nothing.
     @property
-    def num_kv_heads(self) -> int:
+    def num_rows(self) -> int:
         return self.positions.shape[0]
 
     @property
-    def num_tokens(self) -> int:
+    def num_kv_heads(self) -> int:
         return self.positions.shape[1]
 
     @property
+    def width(self) -> int:
+        """N: the padded candidate axis."""
+        return self.positions.shape[2]
+
+    @property
     def group_size(self) -> int:
-        return self.queries.shape[0] // self.num_kv_heads
+        return self.queries.shape[1] // self.num_kv_heads
 
     @property
     def device(self) -> torch.device:
         return self.positions.device
+
+    @property
+    def valid(self) -> Tensor:
+        """Bool [R, 1, N]: slots that hold a candidate."""
+        return dense.valid_slots(self.lengths, self.width)
+
+    @property
+    def evicting(self) -> bool:
+        return self.budget is not None
 
     def evolve(self, **changes: Any) -> "EvictionInputs":
         """A copy with some fields changed; unlike ``dataclasses.replace`` it loads nothing deferred."""
@@ -115,18 +133,27 @@ class EvictionInputs:
     def with_state(self, state: dict[str, Tensor]) -> "EvictionInputs":
         return self.evolve(state=state)
 
+    def latest_query_positions(self, count: Tensor | int) -> Tensor:
+        """The query positions with all but each row's ``count`` most recent queries emptied."""
+        return dense.latest_queries(self.query_positions, self.seq_len, count)
+
+    def zeros(self) -> Tensor:
+        """fp32 [R, H, N] zeros."""
+        return torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
+
 
 @dataclass
 class StepResult:
-    state: dict[str, Tensor]  # full state over the n candidates (before compaction)
-    keep: Tensor | None = None  # [H_kv, budget] kept slot indices, ascending per head
+    state: dict[str, Tensor]  # full state over the candidates (before compaction), [R, H, N]
+    keep: Tensor | None = None  # [R, H, budget_max] kept slots, ascending in each row's first budget[r]
 
 
 class Policy(ABC):
     """Base class. Subclasses set the class variables and implement ``scores``.
 
-    ``scores`` returns fp32 [H_kv, n]: higher means keep; +inf marks protected tokens.
-    The default ``select`` keeps the ``budget`` highest scores per head, ties going to the lower slot.
+    ``scores`` returns fp32 [R, H_kv, N]: higher means keep; +inf marks protected tokens.
+    The default ``select`` keeps each row's ``budget`` highest scores per head, ties going to the
+    lower slot.
     """
 
     name: ClassVar[str]
@@ -154,8 +181,8 @@ class Policy(ABC):
     def query_window(self) -> int | None:
         """How many of the most recent queries the policy reads.
 
-        An int w: the last w queries of the request (the engine keeps a ring buffer across decode
-        steps). ``None``: exactly the queries of the current step (H2O accumulates all of them).
+        An int w: the last w queries of the request (the engine keeps a ring buffer across steps).
+        ``None``: exactly the queries of the current step (H2O accumulates all of them).
         0: no queries at all.
         """
         return 0
@@ -172,77 +199,46 @@ class Policy(ABC):
 
     # ---- per-token state -----------------------------------------------------------------
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
-                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
-        """State of tokens entering the cache ([H_kv, m, d] each) -> {name: [H_kv, m]}."""
-        h, m = new_values.shape[0], new_values.shape[1]
-        return {name: torch.zeros(h, m, dtype=torch.float32, device=new_values.device) for name in self.state_names}
+                   ops: ScoreOps = DENSE) -> dict[str, Tensor]:
+        """State of tokens entering the cache: [H_kv, T, d] each (any rows' tokens) -> {name: [H_kv, T]}.
+
+        A pure function of each token's own key, value and the weights, so the engine computes it for
+        a whole step's tokens at once."""
+        h, t = new_values.shape[0], new_values.shape[1]
+        return {name: torch.zeros(h, t, dtype=torch.float32, device=new_values.device) for name in self.state_names}
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
-        """Per-step state update over all n candidates (e.g. H2O accumulation). Default: unchanged."""
+        """Per-step state update over all candidates (e.g. H2O accumulation). Default: unchanged."""
         return inp.state
 
     # ---- scoring and selection -----------------------------------------------------------
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        """Finite, non-negative attention-like mass [H_kv, n] (only for ``is_attention_mass`` policies)."""
+        """Finite, non-negative attention-like mass [R, H_kv, N] (only for ``is_attention_mass`` policies)."""
+        raise NotImplementedError(f"{self.name} has no attention-mass score")
+
+    def mass_rows(self, inp: EvictionInputs) -> Tensor:
+        """How many softmax rows ``attention_mass`` adds up, per row [R] (each row sums to 1 per query
+        head and is averaged over the group): CriticalKV divides by it to get a mean attention."""
         raise NotImplementedError(f"{self.name} has no attention-mass score")
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        """Bool [H_kv, n]: tokens that are always kept. Default: none."""
+        """Bool [R, H_kv, N]: tokens that are always kept. Default: none."""
         return torch.zeros(inp.positions.shape, dtype=torch.bool, device=inp.device)
 
     @abstractmethod
     def scores(self, inp: EvictionInputs) -> Tensor:
-        """fp32 [H_kv, n]; higher is kept; +inf for protected tokens."""
+        """fp32 [R, H_kv, N]; higher is kept; +inf for protected tokens."""
 
-    def select(self, inp: EvictionInputs, budget: int) -> Tensor:
-        return topk_keep(self.scores(inp), budget)
+    def select(self, inp: EvictionInputs) -> Tensor:
+        """Kept slots [R, H_kv, budget_max] (see ``dense.topk_keep``) for ``inp.budget``."""
+        return dense.topk_keep(self.scores(inp), inp.valid, inp.budget, inp.budget_max)
 
-    def step(self, inp: EvictionInputs, budget: int | None) -> StepResult:
-        """One step for one layer: update state, and if ``budget`` is given, choose the survivors."""
-        inp = inp.evolve(budget=budget)
-        state = self.update_state(inp) if (self.needs_every_step or budget is not None) else inp.state
-        if budget is None or budget >= inp.num_tokens:
+    def step(self, inp: EvictionInputs) -> StepResult:
+        """One step for one layer: update state, and if ``inp.budget`` is set, choose the survivors."""
+        state = self.update_state(inp) if (self.needs_every_step or inp.evicting) else inp.state
+        if not inp.evicting:
             return StepResult(state=state, keep=None)
-        keep = self.select(inp.with_state(state), budget)
-        return StepResult(state=state, keep=keep)
-
-
-def topk_keep(scores: Tensor, budget: int) -> Tensor:
-    """Indices of the ``budget`` highest scores per row, ascending; ties keep the lower index.
-
-    A stable descending sort gives the deterministic tie-break that the kernels reproduce.
-    NaN scores rank lowest.
-    """
-    s = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :budget]
-    return torch.sort(order, dim=-1).values
-
-
-def protect(scores: Tensor, mask: Tensor) -> Tensor:
-    """Give protected tokens +inf so every top-k keeps them."""
-    return torch.where(mask, torch.full_like(scores, float("inf")), scores)
-
-
-def recent_mask(positions: Tensor, count: int) -> Tensor:
-    """Bool [H_kv, n]: the ``count`` candidates with the largest logical positions, per head."""
-    if count <= 0:
-        return torch.zeros_like(positions, dtype=torch.bool)
-    threshold = positions.max(dim=-1, keepdim=True).values - count
-    return positions > threshold
-
-
-def sink_mask(positions: Tensor, count: int) -> Tensor:
-    """Bool [H_kv, n]: candidates among the first ``count`` logical positions."""
-    return positions < count
-
-
-def compact(tensor: Tensor, keep: Tensor) -> Tensor:
-    """Gather kept slots: tensor [H_kv, n, ...] with keep [H_kv, b] -> [H_kv, b, ...]."""
-    index = keep
-    while index.dim() < tensor.dim():
-        index = index.unsqueeze(-1)
-    index = index.expand(*keep.shape, *tensor.shape[2:])
-    return torch.gather(tensor, 1, index)
+        return StepResult(state=state, keep=self.select(inp.with_state(state)))
 
 
 class SinksAndRecent(Policy):
@@ -261,7 +257,8 @@ class SinksAndRecent(Policy):
         return self.sinks + self.recent
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
+        valid = inp.valid
+        return dense.recent_mask(inp.positions, valid, self.recent) | dense.sink_mask(inp.positions, valid, self.sinks)
 
 
 class MetaPolicy(Policy):
@@ -295,8 +292,8 @@ class MetaPolicy(Policy):
         self.base.validate(budget)
 
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
-                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
-        return self.base.init_state(new_keys, new_values, o_proj, kernels)
+                   ops: ScoreOps = DENSE) -> dict[str, Tensor]:
+        return self.base.init_state(new_keys, new_values, o_proj, ops)
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         return self.base.update_state(inp)

@@ -28,7 +28,7 @@ struct WindowArgs {
   const int64_t* query_start_loc;  // [R + 1]
   const int64_t* query_pos;        // [T]
   const float* gain;               // [T] or nullptr
-  const int64_t* pos;              // paged per-slot positions [nb, H_kv, bs] or nullptr (slot index)
+  const int32_t* pos;              // paged per-slot logical positions [nb, H_kv, bs] or nullptr (slot index)
   int64_t p_blk, p_head, p_tok;
   float scale;
   int64_t num_requests, h_kv, group, max_len;

@@ -80,9 +80,9 @@ torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torc
     a.gain = g.data_ptr<float>();
   }
   if (positions.has_value()) {
-    TORCH_CHECK(positions->scalar_type() == torch::kInt64, "positions must be int64");
+    TORCH_CHECK(positions->scalar_type() == torch::kInt32, "positions must be int32");
     pos = *positions;
-    a.pos = pos.data_ptr<int64_t>(); a.p_blk = pos.stride(0); a.p_head = pos.stride(1); a.p_tok = pos.stride(2);
+    a.pos = pos.data_ptr<int32_t>(); a.p_blk = pos.stride(0); a.p_head = pos.stride(1); a.p_tok = pos.stride(2);
   }
   a.scale = static_cast<float>(scale);
   a.num_requests = n_req; a.h_kv = h_kv; a.group = h_q / h_kv; a.max_len = max_len;

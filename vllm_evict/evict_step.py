@@ -1,0 +1,177 @@
+"""The eviction step of one layer over a paged KV cache: the one implementation the engine's model
+runner, the HF reference runner and ``benchmarks/kernels.py`` all run.
+
+A step has two phases, both batched over the step's requests:
+
+* **record** (every step, every layer): the step's new tokens get their logical position and their
+  per-token policy state written next to their K/V slots (addressed like vLLM addresses K/V: page and
+  offset of each token's slot), and their queries go into a per-row ring buffer of recent queries.
+  A fixed number of tensor operations per layer, whatever the batch size; nothing allocated per
+  request, no host-device synchronisation.
+* **evict** (only for the rows the plan names): per group of rows that share a policy and a phase,
+  one policy call scores them all (padded to the longest row) and the survivors of every (row, KV
+  head) are compacted in place into the row's first slots, K, V, positions and state alike.
+
+This module knows nothing of vLLM: callers describe their cache with ``LayerCache`` and their step
+with a ``StepPlan`` (built once per step, shared by every layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from vllm_evict import dense, ops
+from vllm_evict.paged import gather_slots
+from vllm_evict.paged_ops import DISPATCHED, PagedScoreOps
+from vllm_evict.policies.base import Deferred, EvictionInputs, Phase, Policy
+
+POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
+
+
+@dataclass
+class LayerCache:
+    """One layer's paged tensors. Slot s of a request lives in page ``block_table[s // bs]`` at offset
+    ``s % bs``; every tensor below is indexed [page, head, offset, ...]."""
+
+    index: int  # layer index (seeds the random policies)
+    k: Tensor  # [num_pages, H_kv, bs, d] view of the K cache (any strides)
+    v: Tensor  # [num_pages, H_kv, bs, d] view of the V cache
+    positions: Tensor  # int32 [num_pages, H_kv, bs]: logical position of every slot
+    state: dict[str, Tensor]  # fp32 [num_pages, H_kv, bs] per state name
+    ring: Tensor | None  # [rows + 1, W, H_q, d] recent queries of each row (last row: trash)
+    scale: float  # the attention's softmax scale
+    o_proj: Tensor | None = None  # [hidden, H_q * d] this rank's output projection, when a policy needs it
+    head_offset: int = 0  # global index of this rank's first KV head
+
+
+@dataclass
+class Record:
+    """The step's new tokens, in the order of the attention's packed token axis."""
+
+    pages: Tensor  # int64 [T]: page of each token's slot
+    offsets: Tensor  # int64 [T]: offset inside the page
+    positions: Tensor  # int32 [T]: logical position
+    ring_index: Tensor | None  # int64 [T]: flat entry row * W + position % W, or the trash row
+
+
+@dataclass
+class Group:
+    """Rows of this step that share a policy and a phase and must be looked at (evicting, or a policy
+    that updates its state every step). Device tensors are [R] unless noted."""
+
+    policy: Policy
+    phase: Phase
+    block_table: Tensor  # [R, pages] the rows' pages after this step's tokens, logical order
+    lengths: Tensor  # int64: physical tokens after this step's tokens
+    width: int  # N = max(lengths), on the host
+    seq_len: Tensor  # int64: logical tokens after this step
+    num_new: Tensor  # int64
+    seed: Tensor  # int64
+    ring_rows: Tensor | None  # int64: each row's ring row (policies with a query window)
+    step_tokens: Tensor | None  # int64 [R, M]: the row's tokens of this step (query_window None)
+    step_token_positions: Tensor | None  # int64 [R, M]: their positions, -1 on padding
+    slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1 (see ``slot_addresses``)
+    slot_offsets: Tensor  # int64 [R, N]
+    budget: Tensor | None = None  # int64: tokens kept per head (None: nothing evicted)
+    budget_max: int = 0
+    labels: list = field(default_factory=list)  # caller's ids of the rows (request ids), for records
+
+
+@dataclass
+class StepPlan:
+    record: Record
+    groups: list[Group]
+    ring_positions: Tensor | None  # int64 [rows + 1, W]: position of each ring entry, -1 when empty
+    zero_states: tuple[str, ...] = ()  # states that start at 0 (written for all layers by record_step)
+
+
+# ---- record phase ---------------------------------------------------------------------------------
+def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) -> None:
+    """Once per step for every layer at once: the new tokens' positions ([L, num_pages, H, bs] buffer)
+    and the states that start at 0, and the ring's positions."""
+    rec = plan.record
+    positions[:, rec.pages, :, rec.offsets] = rec.positions.view(1, -1, 1)
+    for name in plan.zero_states:
+        states[name][:, rec.pages, :, rec.offsets] = 0.0
+    if plan.ring_positions is not None and rec.ring_index is not None:
+        plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, rec.positions.long())
+
+
+def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], query: Tensor, key: Tensor,
+                 value: Tensor) -> None:
+    """This layer's part of the record phase: the step's queries [T, H_q, d] into the ring, and the
+    per-token state computed from K/V [T, H_kv, d] by ``initializers`` (one policy per computed state)."""
+    rec = plan.record
+    if cache.ring is not None and rec.ring_index is not None:
+        ring = cache.ring
+        ring.view(-1, *ring.shape[2:]).index_copy_(0, rec.ring_index, query.to(ring.dtype))
+    for policy in initializers:
+        computed = policy.init_state(key.transpose(0, 1), value.transpose(0, 1), cache.o_proj, DISPATCHED)
+        for name, values in computed.items():
+            cache.state[name][rec.pages, :, rec.offsets] = values.transpose(0, 1).float()
+
+
+# ---- evict phase ----------------------------------------------------------------------------------
+def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Tensor) -> EvictionInputs:
+    """The policy's view of ``group``'s rows in this layer (K and V deferred)."""
+    pages, offsets = group.slot_pages, group.slot_offsets
+    policy = group.policy
+    positions = gather_slots(cache.positions, pages, offsets)
+    state = {name: gather_slots(cache.state[name], pages, offsets) for name in policy.state_names}
+    window = policy.query_window
+    rows, h_q, d = group.lengths.shape[0], step_query.shape[1], step_query.shape[2]
+    if window is None:  # this step's queries, each counted once
+        queries = step_query[group.step_tokens].permute(0, 2, 1, 3)  # [R, H_q, M, d]
+        query_positions = group.step_token_positions
+    elif window == 0 or cache.ring is None:
+        queries = step_query.new_zeros(rows, h_q, 0, d)
+        query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
+    else:
+        queries = cache.ring[group.ring_rows].permute(0, 2, 1, 3)  # [R, H_q, W, d]
+        query_positions = dense.latest_queries(plan.ring_positions[group.ring_rows], group.seq_len, window)
+    return EvictionInputs(
+        keys=Deferred(partial(gather_slots, cache.k, pages, offsets)),
+        values=Deferred(partial(gather_slots, cache.v, pages, offsets)),
+        positions=positions, lengths=group.lengths, queries=queries, query_positions=query_positions,
+        scale=cache.scale, seq_len=group.seq_len, num_new=group.num_new, phase=group.phase, state=state,
+        layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
+        budget=group.budget, budget_max=group.budget_max,
+        ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
+                          block_table=group.block_table, lengths=group.lengths, width=group.width))
+
+
+def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[Tensor | None]:
+    """The evict phase of one layer: every group scored, its state written back, its survivors
+    compacted. Returns each group's kept slots [R, H, budget_max] (None where it evicts nothing)."""
+    kept: list[Tensor | None] = []
+    for group in plan.groups:
+        inp = group_inputs(cache, group, plan, step_query)
+        result = group.policy.step(inp)
+        pages, offsets = group.slot_pages, group.slot_offsets
+        for name in group.policy.state_names:
+            if result.state[name] is not inp.state[name]:
+                cache.state[name][pages, :, offsets] = result.state[name].transpose(1, 2)
+        if result.keep is not None:
+            buffers = [cache.k, cache.v, cache.positions, *(cache.state[n] for n in group.policy.state_names)]
+            ops.compact_tokens(buffers, group.block_table, result.keep, group.budget)
+        kept.append(result.keep)
+    return kept
+
+
+def state_initializers(policies: list[Policy]) -> tuple[list[Policy], tuple[str, ...]]:
+    """(policies whose ``init_state`` computes something, states that start at 0) for a step whose
+    groups use ``policies``: each computed state is computed once, by the first policy declaring it."""
+    computed: dict[str, Policy] = {}
+    zero: dict[str, None] = {}
+    for policy in policies:
+        for name in policy.computed_state:
+            computed.setdefault(name, policy)
+        for name in policy.state_names:
+            if name not in policy.computed_state:
+                zero[name] = None
+    initializers = list(dict.fromkeys(computed.values()))
+    return initializers, tuple(n for n in zero if n not in computed)
