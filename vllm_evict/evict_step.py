@@ -21,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_evict import dense, ops
-from vllm_evict.paged import gather_slots
+from vllm_evict.paged import gather_slots, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, PagedScoreOps
 from vllm_evict.policies.base import Deferred, EvictionInputs, Phase, Policy
 
@@ -89,12 +90,67 @@ class StepPlan:
     zero_states: tuple[str, ...] = ()  # states that start at 0 (written for all layers by record_step)
 
 
+# ---- building a step (host side, once per step) ---------------------------------------------------
+def ring_entries(token_rows: np.ndarray, in_row: np.ndarray, counts: np.ndarray, computed: np.ndarray,
+                 window: int, trash_row: int) -> np.ndarray:
+    """Flat ring entry of each of the step's tokens: row * W + position % W for the last W tokens of
+    each row (earlier ones would be overwritten in the same write), the trash row otherwise.
+
+    token_rows, in_row [T]: each token's row and index within the row's tokens of this step;
+    counts, computed [rows]: tokens this step and logical tokens before it, per row."""
+    position = computed[token_rows] + in_row
+    recent = in_row >= counts[token_rows] - window
+    return np.where(recent, token_rows, trash_row) * window + position % window
+
+
+def step_token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's tokens of this step in the packed token axis [R, M] (``starts``: first token of each
+    row there), and their logical positions (-1 on padding)."""
+    width = int(counts.max()) if counts.size else 0
+    column = np.arange(width)
+    present = column[None, :] < counts[:, None]
+    index = np.where(present, starts[:, None] + column[None, :], 0)
+    positions = np.where(present, computed[:, None] + column[None, :], dense.EMPTY_QUERY)
+    return index, positions
+
+
+def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
+                computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
+                ring_rows: np.ndarray | None, token_starts: np.ndarray | None) -> Group:
+    """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
+
+    block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
+    tokens before it; scheduled: this step's tokens; keep: tokens kept per head, or None (no eviction);
+    ring_rows: each row's ring row (None: no ring); token_starts: each row's first token in the packed
+    token axis (needed by policies that read this step's queries)."""
+    device = block_table.device
+    width = int(lengths.max())
+    rows = len(lengths)
+    host = np.stack([lengths, computed + scheduled, scheduled, seed,
+                     keep if keep is not None else np.zeros(rows, dtype=np.int64),
+                     ring_rows if ring_rows is not None else np.zeros(rows, dtype=np.int64)]).astype(np.int64)
+    packed = torch.from_numpy(host).to(device, non_blocking=True)
+    lengths_t, seq_len, num_new, seed_t, budget, ring_t = packed.unbind(0)
+    step_tokens = step_positions = None
+    if policy.query_window is None and token_starts is not None:
+        index, positions = step_token_index(token_starts, scheduled, computed)
+        both = torch.from_numpy(np.stack([index, positions]).astype(np.int64)).to(device, non_blocking=True)
+        step_tokens, step_positions = both[0], both[1]
+    pages, offsets = slot_addresses(block_table, width, page_size)
+    return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
+                 seq_len=seq_len, num_new=num_new, seed=seed_t,
+                 ring_rows=ring_t if ring_rows is not None else None, step_tokens=step_tokens,
+                 step_token_positions=step_positions, slot_pages=pages, slot_offsets=offsets,
+                 budget=budget if keep is not None else None,
+                 budget_max=int(keep.max()) if keep is not None else 0)
+
+
 # ---- record phase ---------------------------------------------------------------------------------
 def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) -> None:
     """Once per step for every layer at once: the new tokens' positions ([L, num_pages, H, bs] buffer)
     and the states that start at 0, and the ring's positions."""
     rec = plan.record
-    positions[:, rec.pages, :, rec.offsets] = rec.positions.view(1, -1, 1)
+    positions[:, rec.pages, :, rec.offsets] = rec.positions.view(-1, 1, 1)  # indexed: [T, L, H]
     for name in plan.zero_states:
         states[name][:, rec.pages, :, rec.offsets] = 0.0
     if plan.ring_positions is not None and rec.ring_index is not None:

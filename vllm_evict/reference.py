@@ -1,21 +1,19 @@
 """The HF reference runner: greedy generation with per-head KV eviction in plain transformers.
 
-This is the oracle the vLLM integration must agree with. It reproduces the engine's mechanics step
-by step, for batch size 1:
+This is the oracle the vLLM integration must agree with. It runs one request, step by step, through
+the very eviction step the engine runs (``vllm_evict.evict_step``), on a paged cache of its own:
 
 * the prompt is fed in chunks of ``chunk_size`` tokens, then one generated token per step;
 * RoPE positions stay LOGICAL (``position_ids`` = logical positions) while the cache is physically
-  shorter; the runner tracks the logical position of every cached slot per (layer, KV head);
-* in every layer, the attention over (cache + this step's tokens) is computed in fp32 with a causal
-  mask built from logical positions (HF's own mask is not used);
-* right after that layer's attention, the layer's policy step runs on the cache in slot order
-  (this step's tokens included); the number of survivors comes only from
-  :func:`vllm_evict.schedule.eviction_target`; the survivors of K, V, positions and every per-token
-  state tensor are gathered per head with :func:`vllm_evict.policies.base.compact`.
+  shorter; every slot's logical position is kept per (layer, KV head) in the paged positions buffer;
+* in every layer, the step's K/V are written into the request's next slots and the attention over
+  the cache is computed in fp32 with a causal mask built from logical positions (HF's own mask and
+  cache are not used);
+* right after that layer's attention, the layer's eviction step runs (record, then evict when
+  :func:`vllm_evict.schedule.eviction_target` says so), exactly as in the engine.
 
 The hook is an attention function registered with transformers' ``AttentionInterface`` under the
-name :data:`ATTN_IMPLEMENTATION`; it receives the post-RoPE queries and the already-updated
-``DynamicCache`` layer tensors, and replaces the layer's ``keys``/``values`` after eviction.
+name :data:`ATTN_IMPLEMENTATION`; it receives the post-RoPE queries, keys and values of the step.
 """
 
 from __future__ import annotations
@@ -26,14 +24,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.policies.base import EvictionInputs, Phase, Policy, compact
+from vllm_evict.evict_step import (
+    POSITION_DTYPE, LayerCache, Record, StepPlan, build_group, evict_layer, record_layer, record_step, ring_entries,
+    state_initializers,
+)
+from vllm_evict.paged import gather_tokens
+from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import eviction_target, phase_of
 
 ATTN_IMPLEMENTATION = "vllm_evict_reference"
+PAGE_SIZE = 16  # the reference's own page size; which tokens survive does not depend on it
 
 
 @dataclass
@@ -63,28 +68,88 @@ class ReferenceResult:
         return [int(p.shape[-1]) for p in self.kept_positions]
 
 
-@dataclass
-class _LayerState:
-    positions: Tensor  # [H_kv, n] int64, slot order
-    state: dict[str, Tensor]  # name -> [H_kv, n] fp32
-    queries: Tensor | None = None  # [H_q, w, d] ring buffer of post-RoPE queries, oldest first
-    query_positions: Tensor | None = None  # [w]
-
-
 class _Run:
-    """Everything one request's steps share; the attention hook reads it through a context var."""
+    """One request's paged cache and step state; the attention hook reads it through a context var."""
 
-    def __init__(self, policy: Policy | None, config: EvictionConfig | None, prompt_len: int, slack: int):
-        self.policy = policy
-        self.config = config
-        self.prompt_len = prompt_len
-        self.slack = slack
-        self.layers: dict[int, _LayerState] = {}
+    def __init__(self, model: Any, policy: Policy | None, config: EvictionConfig | None, prompt_len: int,
+                 max_tokens: int, slack: int) -> None:
+        cfg = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
+        self.query_heads = cfg.num_attention_heads
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.policy, self.config, self.prompt_len, self.slack = policy, config, prompt_len, slack
+        pages = -(-max_tokens // PAGE_SIZE)
+        shape = (pages + 1, self.kv_heads, PAGE_SIZE, self.head_size)  # page 0: trash (vLLM's null page)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.block_table = torch.arange(1, pages + 1, device=self.device).view(1, -1)
+        self.positions = torch.zeros(self.layers, *shape[:3], dtype=POSITION_DTYPE, device=self.device)
+        self.states = {name: torch.zeros(self.layers, *shape[:3], device=self.device)
+                       for name in (policy.state_names if policy else ())}
+        window = (policy.query_window or 0) if policy else 0
+        self.window = window
+        self.ring_positions = torch.full((2, window), -1, dtype=torch.int64, device=self.device) if window else None
+        self.caches = [
+            LayerCache(index=i, k=self.k[i], v=self.v[i], positions=self.positions[i],
+                       state={n: b[i] for n, b in self.states.items()},
+                       ring=torch.zeros(2, window, self.query_heads, self.head_size, dtype=self.dtype,
+                                        device=self.device) if window else None,
+                       scale=1.0)
+            for i in range(self.layers)]
+        self.initializers, self.zero_states = state_initializers([policy] if policy else [])
         self.trace: list[EvictionEvent] = []
         self.step = 0
-        self.tokens_before = 0
-        self.new_positions: Tensor | None = None  # [m] logical positions of this step's tokens
-        self.cache: Any = None
+        self.tokens_before = 0  # logical tokens before this step
+        self.cached = 0  # physical tokens before this step
+        self.num_new = 0
+        self.keep: int | None = None
+        self.phase = Phase.PREFILL
+        self.plan: StepPlan | None = None
+
+    def begin_step(self, num_new: int) -> None:
+        """The step's plan: one row, its new slots, and a group when it evicts (or updates every step)."""
+        self.num_new = num_new
+        slots = torch.arange(self.cached, self.cached + num_new, device=self.device)
+        positions = torch.arange(self.tokens_before, self.tokens_before + num_new, device=self.device)
+        pages = self.block_table[0, slots // PAGE_SIZE]
+        ring_index = None
+        if self.window:
+            entries = ring_entries(np.zeros(num_new, dtype=np.int64), np.arange(num_new), np.array([num_new]),
+                                   np.array([self.tokens_before]), self.window, trash_row=1)
+            ring_index = torch.from_numpy(entries).to(self.device)
+        record = Record(pages=pages, offsets=slots % PAGE_SIZE, positions=positions.to(POSITION_DTYPE),
+                        ring_index=ring_index)
+        self.plan = StepPlan(record=record, groups=[], ring_positions=self.ring_positions,
+                             zero_states=self.zero_states)
+        self.keep = None
+        if self.policy is None:
+            return
+        record_step(self.positions, self.states, self.plan)
+        self.phase = phase_of(self.tokens_before, num_new, self.prompt_len)
+        cached_after = self.cached + num_new
+        self.keep = eviction_target(phys_after=cached_after, phase=self.phase, budget=self.config.budget,
+                                    schedule=self.config.schedule, slack=self.slack)
+        if self.keep is None and not self.policy.needs_every_step:
+            return
+        pages_used = -(-cached_after // PAGE_SIZE)
+        one = lambda value: np.array([value], dtype=np.int64)  # noqa: E731
+        self.plan.groups.append(build_group(
+            self.policy, self.phase, self.block_table[:, :pages_used], PAGE_SIZE, lengths=one(cached_after),
+            computed=one(self.tokens_before), scheduled=one(num_new), seed=one(self.config.seed),
+            keep=one(self.keep) if self.keep is not None else None,
+            ring_rows=one(0) if self.window else None, token_starts=one(0)))
+
+    def end_step(self) -> None:
+        self.tokens_before += self.num_new
+        self.cached = self.keep if self.keep is not None else self.cached + self.num_new
+        self.step += 1
+
+    def kept_positions(self) -> list[Tensor]:
+        return [torch.sort(gather_tokens(self.positions[i], self.block_table, self.cached)[0].long(), dim=-1).values.cpu()
+                for i in range(self.layers)]
 
 
 _ACTIVE: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("vllm_evict_reference_run", default=None)
@@ -116,75 +181,34 @@ def _reference_attention(module: torch.nn.Module, query: Tensor, key: Tensor, va
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention only runs inside vllm_evict.reference.run_reference")
     if query.shape[0] != 1:
         raise ValueError("the reference runner supports batch size 1 only")
-    layer_idx = int(module.layer_idx)
-    scale = float(scaling if scaling is not None else module.scaling)
-    q = query[0]  # [H_q, m, d], post-RoPE
-    k_all, v_all = key[0], value[0]  # [H_kv, n, d]: the cache with this step's tokens appended
-    h_kv, n = k_all.shape[0], k_all.shape[1]
+    index = int(module.layer_idx)
+    cache = run.caches[index]
+    cache.scale = float(scaling if scaling is not None else module.scaling)
+    q, k_new, v_new = query[0], key[0], value[0]  # [H_q, m, d], [H_kv, m, d] post-RoPE
     m = q.shape[1]
-    new_pos = run.new_positions
-    layer = run.layers.get(layer_idx)
-    if layer is None:
-        layer = _LayerState(positions=torch.empty(h_kv, 0, dtype=torch.long, device=k_all.device), state={})
-        run.layers[layer_idx] = layer
-    positions = torch.cat([layer.positions, new_pos.view(1, m).expand(h_kv, m)], dim=1)
-    if positions.shape[1] != n:
-        raise RuntimeError(f"layer {layer_idx}: cache holds {n} slots but {positions.shape[1]} positions are tracked")
-
-    out = _positional_attention(q, k_all, v_all, positions, new_pos, scale)
-    attn_output = out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, m, H_q, d]
-
-    policy = run.policy
-    if policy is None:
-        layer.positions = positions
-        return attn_output, None
-
-    # ---- per-token state of the new tokens, then the step's candidates -------------------------------
-    o_proj = module.o_proj.weight if hasattr(module, "o_proj") else None
-    new_state = policy.init_state(k_all[:, n - m:], v_all[:, n - m:], o_proj) if policy.state_names else {}
-    state = {name: torch.cat([layer.state[name], new_state[name].float()], dim=1) if name in layer.state
-             else new_state[name].float() for name in new_state}
-
-    # ---- observation-window queries (ring buffer across steps) ---------------------------------------
-    window = policy.query_window
-    if window is None:
-        queries, query_positions = q, new_pos
-    elif window == 0:
-        queries = q.new_empty(q.shape[0], 0, q.shape[2])
-        query_positions = new_pos.new_empty(0)
+    rec = run.plan.record
+    cache.k[rec.pages, :, rec.offsets] = k_new.transpose(0, 1).to(cache.k.dtype)
+    cache.v[rec.pages, :, rec.offsets] = v_new.transpose(0, 1).to(cache.v.dtype)
+    n = run.cached + m
+    keys = gather_tokens(cache.k, run.block_table, n)[0]
+    values = gather_tokens(cache.v, run.block_table, n)[0]
+    if run.policy is None:
+        key_positions = torch.arange(n, device=q.device).expand(keys.shape[0], n)  # no eviction: slot = position
     else:
-        if layer.queries is None:
-            queries, query_positions = q, new_pos
-        else:
-            queries = torch.cat([layer.queries, q], dim=1)
-            query_positions = torch.cat([layer.query_positions, new_pos])
-        queries, query_positions = queries[:, -window:], query_positions[-window:]
-        layer.queries, layer.query_positions = queries, query_positions
-
-    seq_len = run.tokens_before + m
-    phase = phase_of(run.tokens_before, m, run.prompt_len)
-    target = eviction_target(phys_after=n, phase=phase, budget=run.config.budget,
-                             schedule=run.config.schedule, slack=run.slack)
-    inp = EvictionInputs(
-        keys=k_all, values=v_all, positions=positions, queries=queries, query_positions=query_positions,
-        scale=scale, seq_len=seq_len, num_new=m, phase=phase, state=state, layer=layer_idx,
-        seed=run.config.seed, o_proj=o_proj)
-    result = policy.step(inp, target)
-    new_state_all = result.state if result.state is not None else state
-    if result.keep is None:
-        layer.positions, layer.state = positions, dict(new_state_all)
+        key_positions = gather_tokens(cache.positions, run.block_table, n)[0].long()
+    out = _positional_attention(q, keys, values, key_positions, rec.positions.long(), cache.scale)
+    attn_output = out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous()  # [1, m, H_q, d]
+    if run.policy is None:
         return attn_output, None
-
-    keep = result.keep.to(device=k_all.device, dtype=torch.long)
-    if keep.shape[0] != h_kv:
-        raise RuntimeError(f"{policy.name} returned keep for {keep.shape[0]} heads, the layer has {h_kv}")
-    cache_layer = run.cache.layers[layer_idx]
-    cache_layer.keys = compact(k_all, keep).unsqueeze(0).contiguous()
-    cache_layer.values = compact(v_all, keep).unsqueeze(0).contiguous()
-    layer.positions = compact(positions, keep)
-    layer.state = {name: compact(t, keep) for name, t in new_state_all.items()}
-    run.trace.append(EvictionEvent(step=run.step, layer=layer_idx, phase=phase, seq_len=seq_len,
-                                   phys_before=n, kept=int(keep.shape[1])))
+    if run.policy.needs_o_proj and cache.o_proj is None:
+        cache.o_proj = module.o_proj.weight
+    step_query = q.transpose(0, 1)  # [m, H_q, d]
+    record_layer(cache, run.plan, run.initializers, step_query, k_new.transpose(0, 1), v_new.transpose(0, 1))
+    if run.plan.groups:
+        evict_layer(cache, run.plan, step_query)
+        if run.keep is not None:
+            run.trace.append(EvictionEvent(step=run.step, layer=index, phase=run.phase,
+                                           seq_len=run.tokens_before + m, phys_before=n, kept=run.keep))
     return attn_output, None
 
 
@@ -226,8 +250,6 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     role there). ``config=None`` runs plain generation through the same attention path.
     With ``ignore_eos=False`` generation stops after an EOS token (which is returned).
     """
-    from transformers import DynamicCache
-
     _register()
     if isinstance(model_or_path, (str, os.PathLike, Path)):
         model, loaded_tok = load_model(model_or_path)
@@ -241,9 +263,8 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
         raise ValueError("chunk_size must be >= 1 and max_new_tokens >= 0")
     policy = config.build_policy() if config is not None else None
     effective_slack = config.slack if config is not None and config.slack is not None else slack
-    run = _Run(policy, config, len(prompt), effective_slack)
-    device = next(model.parameters()).device
-    run.cache = DynamicCache(config=model.config)
+    run = _Run(model, policy, config, len(prompt), len(prompt) + max_new_tokens, effective_slack)
+    device = run.device
     eos = set() if ignore_eos else _eos_ids(model)
 
     previous_impl = model.config._attn_implementation
@@ -258,12 +279,11 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
         while max_new_tokens > 0:
             step_tokens = pending.pop(0) if pending else [generated[-1]]
             m = len(step_tokens)
-            run.new_positions = torch.arange(run.tokens_before, run.tokens_before + m, device=device)
-            out = model(input_ids=torch.tensor([step_tokens], device=device),
-                        position_ids=run.new_positions.view(1, m), past_key_values=run.cache, use_cache=True,
-                        logits_to_keep=1)
-            run.tokens_before += m
-            run.step += 1
+            run.begin_step(m)
+            positions = torch.arange(run.tokens_before, run.tokens_before + m, device=device)
+            out = model(input_ids=torch.tensor([step_tokens], device=device), position_ids=positions.view(1, m),
+                        use_cache=False, logits_to_keep=1)
+            run.end_step()
             if pending:
                 continue
             logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
@@ -277,11 +297,8 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
         if previous_impl != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(previous_impl)
 
-    kept = []
-    for i in range(model.config.num_hidden_layers):
-        layer = run.layers.get(i)
-        kept.append(torch.sort(layer.positions, dim=-1).values.cpu() if layer is not None
-                    else torch.empty(0, 0, dtype=torch.long))
+    kept = run.kept_positions() if policy is not None else [
+        torch.arange(run.cached).expand(run.kv_heads, run.cached).clone() for _ in range(run.layers)]
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     return ReferenceResult(token_ids=generated, logprobs=logprobs, text=text, kept_positions=kept,
                            trace=run.trace, prompt_len=len(prompt), steps=run.step)

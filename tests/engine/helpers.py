@@ -67,3 +67,16 @@ def token_prompt(length: int, offset: int = 1, vocab: int = 500) -> dict[str, li
 def chosen_logprobs(output: Any) -> list[float]:
     completion = output.outputs[0]
     return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+
+
+def assert_worker_rows_clean(engine: Engine, pending_finish: bool = False) -> None:
+    """The worker holds eviction state only in the rows of requests still in its batch.
+
+    ``pending_finish``: the worker hears of a finish with the next step, as vLLM's own runner does, so
+    rows of requests the scheduler already finished may still be in the batch."""
+    runner = engine.runner
+    rows, batch = runner.evict_rows, runner.input_batch
+    used = batch.num_reqs
+    assert (rows.policy[used:] == -1).all() and (rows.evicted[used:] == 0).all() and (rows.cached[used:] == 0).all()
+    if not pending_finish:
+        assert set(batch.req_ids) <= set(engine.scheduler.requests)

@@ -45,14 +45,13 @@ def test_random_per_head_permutation_of_cached_slots_keeps_logprobs(tiny_llama, 
             runner = engine.runner
             block_ids = torch.tensor(runner.requests[request.request_id].block_ids[0], dtype=torch.int64)
             cached = request.num_computed_tokens  # nothing evicted: physical == logical
-            for module_name in runner.evict_layers:
-                module = runner.compilation_config.static_forward_context[module_name]
-                k_view, v_view = runner.evict_views(module.kv_cache)
+            for layer in runner.evict_layers:
+                k_view, v_view = layer.k, layer.v
                 heads = k_view.shape[1]
                 order = torch.stack([torch.randperm(cached, generator=generator) for _ in range(heads)])
-                before = paged.gather_tokens(k_view, block_ids, cached).clone()
+                before = paged.gather_tokens(k_view, block_ids.view(1, -1), cached)[0].clone()
                 paged.permute_tokens([k_view, v_view], block_ids, order)
-                after = paged.gather_tokens(k_view, block_ids, cached)
+                after = paged.gather_tokens(k_view, block_ids.view(1, -1), cached)[0]
                 assert torch.equal(after[1], before[1][order[1]])
             permuted = True
     assert permuted

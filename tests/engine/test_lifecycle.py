@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from vllm.exceptions import VLLMValidationError
 
-from tests.engine.helpers import BLOCK, chosen_logprobs, greedy, token_prompt
+from tests.engine.helpers import BLOCK, assert_worker_rows_clean, chosen_logprobs, greedy, token_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -121,7 +121,8 @@ def test_abort_returns_every_page(tiny_llama, engine_factory):
     while llm_engine.has_unfinished_requests():
         llm_engine.step()
     assert engine.free_pages() == engine.total_pages()
-    assert ids["drop"] not in engine.runner.evict_state.evicted
+    assert ids["drop"] not in engine.runner.input_batch.req_id_to_index
+    assert_worker_rows_clean(engine, pending_finish=True)
 
 
 MP_SCRIPT = textwrap.dedent("""

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.engine.helpers import BLOCK, greedy, token_prompt
+from tests.engine.helpers import BLOCK, assert_worker_rows_clean, greedy, token_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -48,7 +48,7 @@ def test_pages_stay_bounded_and_return_to_the_pool(tiny_llama, engine_factory, p
     assert engine.free_pages() == engine.total_pages()
     assert not engine.scheduler.evicted and not engine.scheduler.pending_keep
     # The worker hears of a finish with the next step, as vLLM's own runner does.
-    assert set(engine.runner.evict_state.evicted) <= set(engine.runner.requests)
+    assert_worker_rows_clean(engine, pending_finish=True)
 
 
 def test_prompt_four_times_the_pool_completes_only_with_eviction(tiny_llama, engine_factory):

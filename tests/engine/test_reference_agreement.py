@@ -20,11 +20,11 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 def engine_kept_positions(engine, prompt_ids, params):
     runner = engine.runner
-    runner.evict_state.kept_record = {}
+    runner.evict_kept_record = {}
     output = engine.llm.generate([{"prompt_token_ids": prompt_ids}], params)[0]
     # The worker hears of the finish with the next step: run one tiny request to deliver it.
     engine.llm.generate([{"prompt_token_ids": prompt_ids[:3]}], greedy(1, kv_eviction="none"))
-    (kept,) = runner.evict_state.kept_record.values()
+    (kept,) = runner.evict_kept_record.values()
     return output, [torch.sort(layer, dim=-1).values for layer in kept]
 
 

@@ -1,31 +1,19 @@
 """What the scheduler tells the workers each step. Crosses a pickle boundary under the multiprocess
-executor, so it holds only plain data."""
+executor, so it holds only plain data, and only for the requests that evict in this step: the
+workers know every request's policy from its sampling parameters, and its lengths from vLLM."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_evict.config import EvictionConfig
-from vllm_evict.policies.base import Phase
-
 # Name of the attribute the scheduler sets on vLLM's SchedulerOutput.
 PLAN_ATTR = "kv_eviction_plan"
 
 
-@dataclass(frozen=True)
-class RequestStep:
-    tokens_before: int  # logical tokens computed before this step
-    phys_before: int  # tokens physically cached before this step
-    num_new: int  # tokens this step appends
-    phase: Phase
-    keep: int | None  # tokens to keep after this step's attention, or None for no eviction
-    config: EvictionConfig
-
-    @property
-    def phys_after(self) -> int:
-        return self.phys_before + self.num_new
-
-
 @dataclass
 class EvictionPlan:
-    steps: dict[str, RequestStep] = field(default_factory=dict)  # every scheduled request with eviction on
+    # request id -> tokens kept per (layer, KV head) after this step's attention
+    keep: dict[str, int] = field(default_factory=dict)
+    # request id -> tokens physically cached after this step's tokens, before eviction: the worker
+    # checks its own count against it, so a disagreement stops the step instead of corrupting a cache
+    cached: dict[str, int] = field(default_factory=dict)

@@ -1,78 +1,57 @@
 """Worker side: a mixin over vLLM's V1 model runner (GPU runner and its CPU subclass).
 
-- Right after each attention layer has run, requests the scheduler marked for eviction are scored by
-  their policy and compacted in place: every KV head keeps the planned number of tokens in the first
-  slots of the request's pages, together with their per-token state.
-- At the start of the next step the block table is truncated to the pages still in use, and the
-  request's evicted count grows.
-- While preparing inputs, RoPE positions stay logical; ``seq_lens`` and ``slot_mapping`` become
-  physical, so attention reads exactly the compacted cache and new tokens land after it.
+Per step:
+1. ``_update_states``: the pages the scheduler freed after last step's eviction leave the block table,
+   and each compacted row's evicted count grows (engine/rows.py keeps such per-row numbers in step
+   with vLLM's row moves);
+2. ``_prepare_inputs``: RoPE positions stay logical; ``seq_lens`` and ``slot_mapping`` become physical,
+   so attention reads exactly the compacted cache and new tokens land after it; the step's
+   ``StepPlan`` is built once (engine/step_builder.py) and the positions of the new tokens are recorded;
+3. after each attention layer, the hook runs that layer's eviction step (``vllm_evict.evict_step``):
+   record the new tokens' state and queries, then, for the rows the scheduler marked, score, select
+   and compact in place, batched over rows.
+
+Nothing here knows any eviction method: the policies live in ``vllm_evict/policies``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from vllm_evict import ops
-from vllm_evict.config import EvictionConfig
-from vllm_evict.engine.layout import KVViews, probe_kv_layout
-from vllm_evict.engine.paged_kernels import PagedScoreKernels
-from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
-from vllm_evict.policies.base import Deferred, EvictionInputs, Policy
+from vllm_evict.engine.buffers import EvictionBuffers, Geometry, bytes_per_page, ring_bytes
+from vllm_evict.engine.layout import probe_kv_layout
+from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
+from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
+from vllm_evict.engine.step_builder import BuiltStep, StepBuilder
+from vllm_evict.evict_step import LayerCache, evict_layer, record_layer
+from vllm_evict.paged import gather_tokens
+from vllm_evict.policies.base import Policy
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
-POSITIONS = "__positions__"  # per-token logical position, stored like any policy state
+HOOK_ATTR = "__vllm_evict_original__"  # set on an installed hook: the forward it wraps
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def server_eviction_mapping(vllm_config: Any) -> dict[str, Any] | None:
+    """The server-wide eviction settings exactly as the user gave them (additional_config)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    mapping = extra.get("kv_eviction")
+    return dict(mapping) if mapping else None
 
 
-@dataclass
-class BatchRow:
-    """One request of the current step, as the attention hooks need it."""
-
-    request_id: str
-    step: RequestStep
-    policy: Policy
-    query_start: int
-    block_ids: Tensor  # pages holding the request's tokens after this step
-
-    @property
-    def query_stop(self) -> int:
-        return self.query_start + self.step.num_new
-
-
-@dataclass
-class QueryWindow:
-    queries: Tensor  # [H_q, w, d]
-    positions: Tensor  # [w]
-
-
-@dataclass
-class EvictionWorkerState:
-    evicted: dict[str, int] = field(default_factory=dict)  # request id -> logical - physical tokens
-    compacted: dict[str, RequestStep] = field(default_factory=dict)  # evicted during the last step
-    windows: dict[tuple[str, int], QueryWindow] = field(default_factory=dict)  # (request, layer) -> queries
-    policies: dict[str, Policy] = field(default_factory=dict)  # config json -> policy instance
-    last_step: dict[str, RequestStep] = field(default_factory=dict)
-    # When a dict (tests), the logical positions each finished request kept, per layer [H_kv, n].
-    kept_record: dict[str, list[Tensor]] | None = None
-
-    def forget(self, request_id: str) -> None:
-        self.evicted.pop(request_id, None)
-        self.compacted.pop(request_id, None)
-        self.last_step.pop(request_id, None)
-        for key in [k for k in self.windows if k[0] == request_id]:
-            del self.windows[key]
+def _is_profiling(method: Callable[..., Any], args: tuple, kwargs: dict) -> bool:
+    """The ``is_profiling`` argument of an ``initialize_kv_cache`` call, however it was passed."""
+    try:
+        bound = inspect.signature(method).bind_partial(*args, **kwargs)
+    except TypeError:
+        return bool(kwargs.get("is_profiling", False))
+    return bool(bound.arguments.get("is_profiling", False))
 
 
 class EvictRunnerMixin:
@@ -80,219 +59,195 @@ class EvictRunnerMixin:
 
     # ---- set-up ------------------------------------------------------------------------------
     def evict_init(self) -> None:
-        self.evict_state = EvictionWorkerState()
-        self.evict_batch: list[BatchRow] | None = None
-        self.evict_layers: dict[str, int] = {}
-        self.evict_views: KVViews | None = None
-        self.evict_state_buffers: dict[str, dict[str, Tensor]] = {}
+        self.evict_server = server_eviction_mapping(self.vllm_config)  # type: ignore[attr-defined]
+        self.evict_policies = PolicyTable()
+        self.evict_rows: RowTable | None = None
+        self.evict_buffers: EvictionBuffers | None = None
+        self.evict_builder: StepBuilder | None = None
+        self.evict_layers: list[LayerCache] = []
+        self.evict_layer_names: list[str] = []
+        self.evict_step: BuiltStep | None = None
+        self.evict_compactions: list = []
         self.evict_layout = ""
-        self.evict_o_proj: dict[str, Tensor] = {}  # layer name -> output projection weight
+        # When a dict (tests), the logical positions each finished request kept, per layer [H_kv, n].
+        self.evict_kept_record: dict[str, list[Tensor]] | None = None
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
-        self._install_attention_hooks()
+        # vLLM 0.33 also builds a throw-away cache to profile CUDA-graph memory (is_profiling=True):
+        # hooking it would install the hooks twice, so every layer would evict twice per step.
+        if _is_profiling(super().initialize_kv_cache, args, kwargs):  # type: ignore[misc]
+            return
+        self._install_eviction()
 
-    def _install_attention_hooks(self) -> None:
+    def _attention_layers(self) -> list[tuple[str, Any]]:
         context = self.compilation_config.static_forward_context  # type: ignore[attr-defined]
-        layers = [(name, module) for name, module in context.items()
-                  if hasattr(module, "impl") and isinstance(getattr(module, "kv_cache", None), Tensor)
-                  and module.kv_cache.numel() > 0]
-        for index, (name, module) in enumerate(layers):
-            impl = module.impl
-            if self.evict_views is None:
-                self.evict_layout, self.evict_views = probe_kv_layout(
-                    impl, module, module.kv_cache, impl.num_kv_heads, impl.head_size)
-                logger.info("vllm_evict: KV layout of %s is %s", type(impl).__name__, self.evict_layout)
-            self.evict_layers[name] = index
-            original = impl.forward
-            impl.forward = self._make_hook(name, module, original)
+        return [(name, module) for name, module in context.items()
+                if hasattr(module, "impl") and isinstance(getattr(module, "kv_cache", None), Tensor)
+                and module.kv_cache.numel() > 0]
+
+    def _install_eviction(self) -> None:
+        layers = self._attention_layers()
         if not layers:
             raise ValueError("KV eviction found no attention layers with a paged KV cache in this model")
+        first = layers[0][1]
+        self.evict_layout, views = probe_kv_layout(first.impl, first, first.kv_cache, first.impl.num_kv_heads,
+                                                   first.impl.head_size)
+        logger.info("vllm_evict: KV layout of %s is %s", type(first.impl).__name__, self.evict_layout)
+        k0, _ = views(first.kv_cache)
+        manager_page = self.cache_config.block_size  # type: ignore[attr-defined]
+        if k0.shape[2] != manager_page:
+            # vLLM splits a manager block into several kernel blocks for some backends; the scheduler
+            # frees manager blocks, so the two must be the same page.
+            raise ValueError(
+                f"KV eviction needs the attention backend's kernel block size ({k0.shape[2]} tokens) to equal "
+                f"the KV cache block size ({manager_page}); start the server with --block-size {k0.shape[2]}")
+        geometry = Geometry(layers=len(layers), num_pages=k0.shape[0], kv_heads=k0.shape[1], page_size=k0.shape[2],
+                            query_heads=first.impl.num_heads, head_size=first.impl.head_size,
+                            max_rows=self.input_batch.max_num_reqs,  # type: ignore[attr-defined]
+                            dtype=first.kv_cache.dtype, device=first.kv_cache.device)
+        self.evict_buffers = buffers = EvictionBuffers(geometry)
+        self.evict_rows = rows = RowTable(geometry.max_rows, self.evict_server, self.evict_policies,
+                                          on_new_policy=self._on_new_policy)
+        rows.listeners.append(buffers.on_row)
+        install_row_hooks(self.input_batch, rows)  # type: ignore[attr-defined]
+        self.evict_builder = StepBuilder(rows, buffers, geometry.device)
+        head_offset = self._kv_head_offset(geometry.kv_heads)
+        self.evict_layers, self.evict_layer_names = [], []
+        for index, (name, module) in enumerate(layers):
+            k, v = views(module.kv_cache)
+            self.evict_layers.append(LayerCache(index=index, k=k, v=v, positions=buffers.positions[index], state={},
+                                                ring=None, scale=float(module.impl.scale), head_offset=head_offset))
+            self.evict_layer_names.append(name)
+            impl = module.impl
+            original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
+            impl.forward = self._make_hook(index, original)
+        if self.evict_server is not None:
+            self._on_new_policy(self.evict_policies.policies[self.evict_policies.index_of(
+                _server_config(self.evict_server))])
+        if geometry.device.type == "cuda":
+            from vllm_evict import csrc
 
-    def _make_hook(self, layer_name: str, module: torch.nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward_then_evict(layer: Any, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
-                               attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-            if self.evict_batch and attn_metadata is not None:
-                self._evict_layer(layer_name, module, query, key, value, kv_cache)
-            return result
+            if csrc.load_extension() is None:  # built now, not inside the first eviction's forward
+                logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
 
-        return forward_then_evict
+    def _on_new_policy(self, policy: Policy) -> None:
+        """A policy not seen before: allocate its state buffers and ring width, and its weights."""
+        buffers = self.evict_buffers
+        if buffers is None:
+            return
+        if buffers.ensure_policy(policy):
+            for cache in self.evict_layers:
+                cache.state = {name: buffer[cache.index] for name, buffer in buffers.states.items()}
+                cache.ring = buffers.ring[cache.index] if buffers.ring is not None else None
+        if policy.needs_o_proj:
+            for cache, name in zip(self.evict_layers, self.evict_layer_names):
+                if cache.o_proj is None:
+                    cache.o_proj = self._o_proj_weight(name, buffers.geometry.dtype)
+
+    def _kv_head_offset(self, local_heads: int) -> int:
+        """Global index of this rank's first KV head (tensor parallel splits or replicates KV heads)."""
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+            rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        except Exception:  # not initialised (tests without a distributed context)
+            return 0
+        total = self.model_config.get_total_num_kv_heads()  # type: ignore[attr-defined]
+        return rank * local_heads if world <= total else rank * total // world
+
+    def evict_memory_per_page(self, num_states: int = 3) -> int:
+        """Bytes of eviction buffers per KV page (positions and up to ``num_states`` states)."""
+        return bytes_per_page(self.evict_buffers.geometry, num_states) if self.evict_buffers else 0
 
     # ---- step bookkeeping ----------------------------------------------------------------------
     def _update_states(self, scheduler_output: Any) -> Any:
-        state = self.evict_state
-        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        table = self.input_batch.block_table[0]  # type: ignore[attr-defined]
-        page = table.block_size
-        for request_id, step in state.compacted.items():
-            request = self.requests.get(request_id)  # type: ignore[attr-defined]
-            if request is None or request_id in gone:
-                continue
-            kept_pages = _cdiv(step.keep, page)
-            del request.block_ids[0][kept_pages:]
-            row = self.input_batch.req_id_to_index.get(request_id)  # type: ignore[attr-defined]
-            if row is not None:
-                held = int(table.num_blocks_per_row[row])
-                table.block_table.np[row, kept_pages:held] = 0
-                table.num_blocks_per_row[row] = min(held, kept_pages)
-            state.evicted[request_id] = step.tokens_before + step.num_new - step.keep
-        state.compacted.clear()
-        if state.kept_record is not None:
-            for request_id in scheduler_output.finished_req_ids:
-                if request_id in state.last_step and request_id in self.requests:  # type: ignore[attr-defined]
-                    state.kept_record[request_id] = self.kept_positions(request_id)
-        for request_id in gone:
-            state.forget(request_id)
+        if self.evict_rows is not None:
+            self._apply_compactions(scheduler_output)
         return super()._update_states(scheduler_output)  # type: ignore[misc]
+
+    def _apply_compactions(self, scheduler_output: Any) -> None:
+        """Last step compacted these requests and the scheduler has freed their tail pages: drop those
+        pages from the block table (new pages are appended after the kept ones) and count the tokens."""
+        rows = self.evict_rows
+        batch = self.input_batch  # type: ignore[attr-defined]
+        table = batch.block_table[0]
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        for compaction in self.evict_compactions:
+            row = batch.req_id_to_index.get(compaction.request_id)
+            if row is None:
+                continue
+            rows.evicted[row] = compaction.logical - compaction.keep
+            rows.cached[row] = compaction.keep
+            request = self.requests.get(compaction.request_id)  # type: ignore[attr-defined]
+            if request is None or compaction.request_id in gone:
+                continue
+            kept_pages = -(-compaction.keep // table.block_size)
+            del request.block_ids[0][kept_pages:]
+            held = int(table.num_blocks_per_row[row])
+            table.block_table.np[row, kept_pages:held] = 0
+            table.num_blocks_per_row[row] = min(held, kept_pages)
+        self.evict_compactions = []
+        if self.evict_kept_record is not None:
+            for request_id in scheduler_output.finished_req_ids:
+                if request_id in batch.req_id_to_index and request_id in self.requests:  # type: ignore[attr-defined]
+                    self.evict_kept_record[request_id] = self.kept_positions(request_id)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
-        self.evict_batch = None
-        if plan is None:
+        if plan is None or self.evict_builder is None:
+            self.evict_step = None
             return result
-        num_reqs = self.input_batch.num_reqs  # type: ignore[attr-defined]
-        request_ids = self.input_batch.req_ids[:num_reqs]  # type: ignore[attr-defined]
-        evicted = np.array([self.evict_state.evicted.get(r, 0) for r in request_ids], dtype=np.int64)
-        if evicted.any():
-            self._make_lengths_physical(scheduler_output, num_scheduled_tokens, evicted)
-        self.evict_batch = self._batch_rows(plan, request_ids)
+        step = self.evict_builder.build(self, plan, num_scheduled_tokens)
+        self.evict_compactions = step.compactions
+        self.evict_step = step
         return result
 
-    def _make_lengths_physical(self, scheduler_output: Any, num_scheduled: np.ndarray, evicted: np.ndarray) -> None:
-        """Attention reads the physical length; new tokens are written after the compacted ones."""
-        num_reqs = len(evicted)
-        total = scheduler_output.total_num_scheduled_tokens
-        device = self.seq_lens.device  # type: ignore[attr-defined]
-        shift = torch.from_numpy(evicted)
-        self.seq_lens[:num_reqs] -= shift.to(device, self.seq_lens.dtype)  # type: ignore[attr-defined]
-        upper = self.optimistic_seq_lens_cpu  # type: ignore[attr-defined]
-        upper[:num_reqs] -= shift.to(upper.dtype)
-        per_token = torch.from_numpy(np.repeat(evicted, num_scheduled[:num_reqs])).to(device)
-        positions = self.positions[:total]  # type: ignore[attr-defined]
-        physical = positions - per_token.to(positions.dtype)
-        self.input_batch.block_table.compute_slot_mapping(  # type: ignore[attr-defined]
-            num_reqs, self.query_start_loc.gpu[: num_reqs + 1], physical)  # type: ignore[attr-defined]
-
-    def _batch_rows(self, plan: EvictionPlan, request_ids: list[str]) -> list[BatchRow]:
-        rows = []
-        starts = self.query_start_loc.np  # type: ignore[attr-defined]
-        table = self.input_batch.block_table[0]  # type: ignore[attr-defined]
-        for index, request_id in enumerate(request_ids):
-            step = plan.steps.get(request_id)
-            if step is None:
-                continue
-            computed = int(self.input_batch.num_computed_tokens_cpu[index])  # type: ignore[attr-defined]
-            phys_before = computed - self.evict_state.evicted.get(request_id, 0)
-            if computed != step.tokens_before or phys_before != step.phys_before:
-                raise RuntimeError(
-                    f"vllm_evict: worker and scheduler disagree on request {request_id}: worker has "
-                    f"{computed} tokens ({phys_before} cached), scheduler planned {step.tokens_before} "
-                    f"({step.phys_before} cached)")
-            pages = _cdiv(step.phys_after, table.block_size)
-            block_ids = torch.from_numpy(table.block_table.np[index, :pages].astype(np.int64)).to(self.device)  # type: ignore[attr-defined]
-            rows.append(BatchRow(request_id=request_id, step=step, policy=self._policy_for(step.config),
-                                 query_start=int(starts[index]), block_ids=block_ids))
-            if step.keep is not None:
-                self.evict_state.compacted[request_id] = step
-            self.evict_state.last_step[request_id] = step
-        return rows
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            # A forward outside a scheduled step (data-parallel dummy runs, profiling) must never evict.
+            self.evict_step = None
 
     def kept_positions(self, request_id: str) -> list[Tensor]:
         """Logical positions cached for a request, per layer [H_kv, n] in slot order (tests, debugging)."""
-        step = self.evict_state.last_step[request_id]
-        length = step.keep if step.keep is not None else step.phys_after
-        block_ids = torch.tensor(self.requests[request_id].block_ids[0], dtype=torch.int64, device=self.device)  # type: ignore[attr-defined]
-        return [ops.gather_tokens(self.evict_state_buffers[name][POSITIONS], block_ids, length).clone()
-                for name in self.evict_layers]
-
-    def _policy_for(self, config: EvictionConfig) -> Policy:
-        key = str(config)
-        policy = self.evict_state.policies.get(key)
-        if policy is None:
-            policy = self.evict_state.policies[key] = config.build_policy()
-        return policy
+        row = self.input_batch.req_id_to_index[request_id]  # type: ignore[attr-defined]
+        length = int(self.evict_rows.cached[row])
+        blocks = torch.tensor(self.requests[request_id].block_ids[0], dtype=torch.int64,  # type: ignore[attr-defined]
+                              device=self.evict_buffers.positions.device)
+        return [gather_tokens(cache.positions, blocks.view(1, -1), length)[0].long().clone()
+                for cache in self.evict_layers]
 
     # ---- per layer ----------------------------------------------------------------------------
-    def _state_buffer(self, layer_name: str, name: str, like: Tensor) -> Tensor:
-        """Per-token state of one layer, paged like the KV cache: [num_blocks, H_kv, block_size]."""
-        buffers = self.evict_state_buffers.setdefault(layer_name, {})
-        if name not in buffers:
-            dtype = torch.int64 if name == POSITIONS else torch.float32
-            buffers[name] = torch.zeros(like.shape[:3], dtype=dtype, device=like.device)
-        return buffers[name]
+    def _make_hook(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward_then_evict(layer: Any, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+                               attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            step = self.evict_step
+            if step is not None and attn_metadata is not None:
+                self._evict_layer(index, layer, step, query, key, value)
+            return result
 
-    def _evict_layer(self, layer_name: str, module: Any, query: Tensor, key: Tensor, value: Tensor,
-                     kv_cache: Tensor) -> None:
-        impl = module.impl
-        num_heads, num_kv_heads, head_size = impl.num_heads, impl.num_kv_heads, impl.head_size
-        k_view, v_view = self.evict_views(kv_cache)  # type: ignore[misc]
-        layer_index = self.evict_layers[layer_name]
-        query = query.view(-1, num_heads, head_size)
-        key = key.view(-1, num_kv_heads, head_size)
-        value = value.view(-1, num_kv_heads, head_size)
-        o_proj: Tensor | None = None
-        for row in self.evict_batch or ():
-            step, policy = row.step, row.policy
-            span = slice(row.query_start, row.query_stop)
-            new_keys, new_values = key[span].transpose(0, 1), value[span].transpose(0, 1)  # [H_kv, m, d]
-            new_positions = torch.arange(step.tokens_before, step.tokens_before + step.num_new, device=key.device)
-            if policy.needs_o_proj and o_proj is None:
-                o_proj = self._o_proj_weight(layer_name, query.dtype)
-            positions_buffer = self._state_buffer(layer_name, POSITIONS, k_view)
-            ops.write_tokens(positions_buffer, row.block_ids, step.phys_before, new_positions.expand(num_kv_heads, -1))
-            n = step.phys_after
-            kernels = PagedScoreKernels(
-                k_cache=k_view, v_cache=v_view, positions=positions_buffer, block_ids=row.block_ids, length=n,
-                new_start=step.phys_before,
-                state_buffer=lambda name: self._state_buffer(layer_name, name, k_view))
-            new_state = policy.init_state(new_keys, new_values, o_proj if policy.needs_o_proj else None, kernels)
-            for name, values in new_state.items():
-                buffer = self._state_buffer(layer_name, name, k_view)
-                ops.write_tokens(buffer, row.block_ids, step.phys_before, values)
-            window = self._update_query_window(row, layer_index, query[span].transpose(0, 1), new_positions)
-            if step.keep is None and not policy.needs_every_step:
-                continue
-            buffers = {name: self._state_buffer(layer_name, name, k_view) for name in (POSITIONS, *policy.state_names)}
-            gathered = {name: ops.gather_tokens(buf, row.block_ids, n) for name, buf in buffers.items()}
-            inputs = EvictionInputs(
-                # K and V are gathered only if the policy reads them beyond what ``kernels`` computes.
-                keys=Deferred(partial(ops.gather_tokens, k_view, row.block_ids, n)),
-                values=Deferred(partial(ops.gather_tokens, v_view, row.block_ids, n)),
-                positions=gathered.pop(POSITIONS), queries=window.queries, query_positions=window.positions,
-                scale=float(impl.scale), seq_len=step.tokens_before + step.num_new, num_new=step.num_new,
-                phase=step.phase, state=gathered, layer=layer_index, seed=step.config.seed,
-                o_proj=o_proj if policy.needs_o_proj else None, kernels=kernels)
-            result = policy.step(inputs, step.keep)
-            for name in policy.state_names:
-                ops.write_tokens(buffers[name], row.block_ids, 0, result.state[name])
-            if result.keep is not None:
-                ops.compact_tokens([k_view, v_view, *buffers.values()], row.block_ids, result.keep)
+        setattr(forward_then_evict, HOOK_ATTR, original)
+        return forward_then_evict
 
-    def _update_query_window(self, row: BatchRow, layer_index: int, queries: Tensor, positions: Tensor) -> QueryWindow:
-        """The last ``policy.query_window`` queries of the request, across decode steps."""
-        wanted = row.policy.query_window
-        if wanted is None:
-            return QueryWindow(queries, positions)
-        if wanted == 0:
-            return QueryWindow(queries[:, :0], positions[:0])
-        key = (row.request_id, layer_index)
-        previous = self.evict_state.windows.get(key)
-        if previous is not None and queries.shape[1] < wanted:
-            queries = torch.cat([previous.queries, queries], dim=1)
-            positions = torch.cat([previous.positions, positions])
-        window = QueryWindow(queries[:, -wanted:].clone(), positions[-wanted:].clone())
-        self.evict_state.windows[key] = window
-        return window
+    def _evict_layer(self, index: int, layer: Any, step: BuiltStep, query: Tensor, key: Tensor,
+                     value: Tensor) -> None:
+        cache = self.evict_layers[index]
+        impl = layer.impl if hasattr(layer, "impl") else layer
+        t = step.num_tokens  # the padded token axis of a CUDA graph may be longer
+        query = query[:t].view(t, impl.num_heads, impl.head_size)
+        key = key[:t].view(t, impl.num_kv_heads, impl.head_size)
+        value = value[:t].view(t, impl.num_kv_heads, impl.head_size)
+        record_layer(cache, step.plan, step.initializers, query, key, value)
+        if step.plan.groups:
+            evict_layer(cache, step.plan, query)
 
     def _o_proj_weight(self, layer_name: str, dtype: torch.dtype) -> Tensor:
         """This layer's output projection [hidden, H_q * d] on this rank (CriticalKV projects values
-        through it), read once per layer and remembered."""
-        cached = self.evict_o_proj.get(layer_name)
-        if cached is not None:
-            return cached
+        through it), read once per layer."""
         prefix = layer_name.rsplit(".", 1)[0]
         model = self.get_model()  # type: ignore[attr-defined]
         try:
@@ -302,11 +257,14 @@ class EvictRunnerMixin:
                              f"{prefix}.o_proj; choose a policy without criticalkv") from err
         weight = getattr(module, "weight", None)
         if isinstance(weight, Tensor) and weight.dim() == 2 and weight.numel() > 0 and weight.is_floating_point():
-            result = weight
-        else:
-            result = _weight_from_linear(module, dtype)
-        self.evict_o_proj[layer_name] = result
-        return result
+            return weight
+        return _weight_from_linear(module, dtype)
+
+
+def _server_config(mapping: dict[str, Any]) -> Any:
+    from vllm_evict.config import EvictionConfig
+
+    return EvictionConfig.from_mapping(mapping)
 
 
 def _weight_from_linear(module: Any, dtype: torch.dtype, rows: int = 1024) -> Tensor:

@@ -25,7 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_evict.config import EvictionConfig, resolve_request_config
-from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
+from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.schedule import eviction_target, phase_of, physical_bound
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
@@ -88,15 +88,14 @@ class EvictScheduler(Scheduler):
             if config is None:
                 continue
             request = self.requests[request_id]
-            tokens_after = request.num_computed_tokens  # vLLM has already advanced it for this step
-            tokens_before = tokens_after - num_new
-            phys_before = tokens_before - self.evicted.get(request_id, 0)
+            tokens_before = request.num_computed_tokens - num_new  # vLLM has already advanced it
+            phys_after = tokens_before - self.evicted.get(request_id, 0) + num_new
             phase = phase_of(tokens_before, num_new, request.num_prompt_tokens)
-            keep = eviction_target(phys_after=phys_before + num_new, phase=phase, budget=config.budget,
+            keep = eviction_target(phys_after=phys_after, phase=phase, budget=config.budget,
                                    schedule=config.schedule, slack=self.slack_of(config))
-            plan.steps[request_id] = RequestStep(tokens_before=tokens_before, phys_before=phys_before,
-                                                 num_new=num_new, phase=phase, keep=keep, config=config)
             if keep is not None:
+                plan.keep[request_id] = keep
+                plan.cached[request_id] = phys_after
                 self.pending_keep[request_id] = keep
         setattr(output, PLAN_ATTR, plan)
         return output

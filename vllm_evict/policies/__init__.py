@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from vllm_evict.policies.base import EvictionInputs, Phase, Policy, StepResult, compact, topk_keep
+from vllm_evict.policies.base import EvictionInputs, Phase, Policy, StepResult
 
 # name -> "module:Class"; imported lazily so that listing policies stays cheap.
 BASE_POLICIES: dict[str, str] = {
@@ -34,6 +34,5 @@ def load_class(name: str) -> type[Policy]:
 
 
 __all__ = [
-    "BASE_POLICIES", "META_POLICIES", "EvictionInputs", "Phase", "Policy", "StepResult",
-    "compact", "load_class", "topk_keep",
+    "BASE_POLICIES", "META_POLICIES", "EvictionInputs", "Phase", "Policy", "StepResult", "load_class",
 ]

@@ -15,51 +15,38 @@ Spec: ahakv.md. Per KV head h, with the recommended resolutions ([R]) of the spe
 State: ``vnorm`` (nu, raw squared value norm, from ``init_state``) and ``score`` (the decode
 accumulator, seeded with F_hat at the end of the prompt and at every prefill eviction).
 
-Which budget k enters the gain: the ``budget`` given to ``step`` when it is evicting. Steps that do
-not evict (most decode steps) and calls that get no budget (``scores``, ``attention_mass``,
-``update_state``, as used by CAOTE/CriticalKV) read ``inp.budget`` (set on evicting steps), and
-otherwise fall back to the physical cache size: under the shared schedule it equals the budget
-within one decode slack once the cache has been evicted, and it gives the exact gain 0 at a prompt
-end that needs no eviction (i <= k there).
+Which budget k enters the gain, per row: ``inp.budget`` on an evicting step; otherwise (most decode
+steps) the physical cache size: under the shared schedule it equals the budget within one decode
+slack once the cache has been evicted, and it gives the exact gain 0 at a prompt end that needs no
+eviction (i <= k there).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_evict.policies.attention import order_by_position
-from vllm_evict.policies.base import (
-    EvictionInputs, Phase, Policy, StepResult, protect, recent_mask, sink_mask, topk_keep,
-)
-from vllm_evict.policies.kernels import DENSE, ScoreKernels
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, Phase, Policy, StepResult
 from vllm_evict.policies.options import check_int, check_odd_kernel
+from vllm_evict.policies.score_ops import DENSE, ScoreOps
 
 
-def sg_gain(length: int, budget: int) -> float:
-    """SG-softmax gain on the usual scaled logits, eta = sqrt(2 ln(i/k)) (spec §3.3, = lambda * sqrt(d)).
+def sg_gain(length: Tensor, budget: Tensor) -> Tensor:
+    """SG-softmax gain on the usual scaled logits, eta = sqrt(2 ln(i/k)) per row (spec §3.3, = lambda * sqrt(d)).
 
-    ln(i/k) is clamped at 0: a row no longer than the budget gets gain 0 (a uniform row) [R].
-    """
-    if length <= 0 or budget <= 0:
-        return 0.0
-    return math.sqrt(2.0 * max(math.log(length / budget), 0.0))
+    ln(i/k) is clamped at 0: a row no longer than the budget gets gain 0 (a uniform row) [R]."""
+    i, k = length.double(), budget.double()
+    ratio = torch.where((i > 0) & (k > 0), i / k.clamp_min(1), torch.ones_like(i))
+    return torch.sqrt(2.0 * torch.log(ratio).clamp_min(0.0)).float()
 
 
-def value_prior(vnorm: Tensor, positions: Tensor, kernel: int) -> Tensor:
-    """gamma_bar [H_kv, n]: nu average-pooled along the logical order, divided by its per-head max (§3.5).
+def value_prior(vnorm: Tensor, positions: Tensor, valid: Tensor, kernel: int) -> Tensor:
+    """gamma_bar [R, H_kv, N]: nu average-pooled along the logical order, divided by its per-head max (§3.5).
 
     Stride 1, 'same' padding, and the border windows average only the tokens that exist
-    (count_include_pad=False). A head whose values are all zero gets gamma_bar = 0.
-    """
-    order = order_by_position(positions)
-    ordered = torch.gather(vnorm.float(), -1, order)
-    pooled = F.avg_pool1d(ordered.unsqueeze(1), kernel, stride=1, padding=kernel // 2,
-                          count_include_pad=False).squeeze(1)
-    gamma = torch.empty_like(pooled).scatter_(-1, order, pooled)
+    (count_include_pad=False). A head whose values are all zero gets gamma_bar = 0."""
+    gamma = dense.mean_pool_in_position_order(vnorm, positions, valid, kernel)
     peak = gamma.amax(dim=-1, keepdim=True)
     return torch.where(peak > 0, gamma / peak.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(gamma))
 
@@ -71,6 +58,7 @@ class AhaKV(Policy):
     one_shot = True
     is_attention_mass = True
     state_names = ("vnorm", "score")
+    computed_state = ("vnorm",)
     needs_every_step = True  # decode accumulates every step's SG-softmax row
     defaults = {"recent": 32, "value_kernel": 5, "sinks": 0}
 
@@ -88,30 +76,25 @@ class AhaKV(Policy):
 
     # ---- per-token state -----------------------------------------------------------------
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
-                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
-        vnorm = new_values.float().pow(2).sum(dim=-1)  # nu = |v|^2 in fp32 (§3.7)
-        return {"vnorm": vnorm, "score": torch.zeros_like(vnorm)}
+                   ops: ScoreOps = DENSE) -> dict[str, Tensor]:
+        return {"vnorm": new_values.float().pow(2).sum(dim=-1)}  # nu = |v|^2 in fp32 (§3.7); score starts at 0
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
-        return self._next_state(inp, None)
-
-    def step(self, inp: EvictionInputs, budget: int | None) -> StepResult:
-        """Update the score (seed it with F_hat at a prompt end / prefill eviction, accumulate in decode),
-        then, when evicting, keep the protected tokens plus the top of that score."""
-        inp = inp.evolve(budget=budget)
-        state = self._next_state(inp, budget)
-        if budget is None or budget >= inp.num_tokens:
-            return StepResult(state=state, keep=None)
-        keep = topk_keep(protect(state["score"], self.protected_mask(inp)), budget)
-        return StepResult(state=state, keep=keep)
-
-    def _next_state(self, inp: EvictionInputs, budget: int | None) -> dict[str, Tensor]:
+        """The score seeded with F_hat at a prompt end or a prefill eviction, accumulated in decode."""
         state = self._full_state(inp)
         if inp.phase is Phase.DECODE:
-            state["score"] = state["score"] + self.decode_increment(inp, budget)
-        elif inp.phase is Phase.PROMPT_END or budget is not None:
-            state["score"] = self.refined_score(inp, budget)
+            state["score"] = state["score"] + self.decode_increment(inp)
+        elif inp.phase is Phase.PROMPT_END or inp.evicting:
+            state["score"] = self.refined_score(inp)
         return state
+
+    def step(self, inp: EvictionInputs) -> StepResult:
+        """Update the score, then, when evicting, keep the protected tokens plus the top of that score."""
+        state = self.update_state(inp)
+        if not inp.evicting:
+            return StepResult(state=state, keep=None)
+        scores = dense.protect(state["score"], self.protected_mask(inp))
+        return StepResult(state=state, keep=dense.topk_keep(scores, inp.valid, inp.budget, inp.budget_max))
 
     def _full_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         """The state dict with both entries present (inputs built without state get them from K/V)."""
@@ -119,52 +102,49 @@ class AhaKV(Policy):
         if "vnorm" not in state:
             state["vnorm"] = inp.values.float().pow(2).sum(dim=-1)
         if "score" not in state:
-            state["score"] = torch.zeros(inp.positions.shape, dtype=torch.float32, device=inp.device)
+            state["score"] = inp.zeros()
         return state
 
     # ---- scoring ---------------------------------------------------------------------------
-    def gain(self, inp: EvictionInputs, budget: int | None = None) -> float:
-        """eta for this step: i = the logical length, k = the budget (see the module docstring)."""
-        k = budget if budget is not None else inp.budget
-        if k is None:
-            k = inp.num_tokens
+    def gain(self, inp: EvictionInputs) -> Tensor:
+        """eta per row: i = the logical length, k = the budget (see the module docstring)."""
+        k = inp.budget if inp.budget is not None else inp.lengths
         return sg_gain(inp.seq_len, k)
 
-    def window_score(self, inp: EvictionInputs, budget: int | None = None) -> Tensor:
-        """F [H_kv, n]: SG-softmax rows of the last r queries, summed over rows and the GQA group (§3.4, §3.6)."""
-        q = inp.queries[:, -self.recent:]
-        qpos = inp.query_positions[-self.recent:]
-        return inp.kernels.column_sums(inp, q, qpos, gain=self.gain(inp, budget))
+    def window_score(self, inp: EvictionInputs) -> Tensor:
+        """F [R, H_kv, N]: SG-softmax rows of the last r queries, summed over rows and the GQA group (§3.4, §3.6)."""
+        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(self.recent), gain=self.gain(inp))
 
-    def refined_score(self, inp: EvictionInputs, budget: int | None = None) -> Tensor:
-        """F_hat = gamma_bar * F (Eq. 15), fp32 [H_kv, n], finite and non-negative."""
+    def refined_score(self, inp: EvictionInputs) -> Tensor:
+        """F_hat = gamma_bar * F (Eq. 15), fp32 [R, H_kv, N], finite and non-negative."""
         vnorm = self._full_state(inp)["vnorm"]
-        return value_prior(vnorm, inp.positions, self.value_kernel) * self.window_score(inp, budget)
+        return value_prior(vnorm, inp.positions, inp.valid, self.value_kernel) * self.window_score(inp)
 
-    def decode_increment(self, inp: EvictionInputs, budget: int | None = None) -> Tensor:
-        """SG-softmax row(s) of this step's query (the last ``num_new`` queries), summed over the group."""
-        m = min(inp.num_new, inp.queries.shape[1])
-        if m <= 0:
-            return torch.zeros(inp.positions.shape, dtype=torch.float32, device=inp.device)
-        q = inp.queries[:, inp.queries.shape[1] - m:]
-        qpos = inp.query_positions[inp.query_positions.shape[0] - m:]
-        return inp.kernels.column_sums(inp, q, qpos, gain=self.gain(inp, budget))
+    def decode_increment(self, inp: EvictionInputs) -> Tensor:
+        """SG-softmax row(s) of this step's queries (the last ``num_new``), summed over the group."""
+        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(inp.num_new), gain=self.gain(inp))
 
     def ranking(self, inp: EvictionInputs) -> Tensor:
         """What a selection ranks by: F_hat in a prompt phase, the accumulated ``score`` in decode.
 
         As everywhere in the contract, ``inp.state`` is the state after this step's update, so the
-        decode score already holds this step's increment.
-        """
+        decode score already holds this step's increment."""
         if inp.phase is Phase.DECODE:
             return self._full_state(inp)["score"]
         return self.refined_score(inp)
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        return self.ranking(inp).clamp_min(0.0)
+        return self.ranking(inp).clamp_min(0.0) * inp.valid
+
+    def mass_rows(self, inp: EvictionInputs) -> Tensor:
+        """Its mass sums SG-softmax rows over the last ``recent`` queries AND over the G heads of the group
+        (times a value prior in (0, 1]); in decode it keeps adding G rows per step, which this ignores."""
+        rows = (inp.latest_query_positions(self.recent) >= 0).sum(dim=-1)
+        return rows * inp.group_size
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.recent) | sink_mask(inp.positions, self.sinks)
+        valid = inp.valid
+        return dense.recent_mask(inp.positions, valid, self.recent) | dense.sink_mask(inp.positions, valid, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        return protect(self.ranking(inp), self.protected_mask(inp))
+        return dense.protect(self.ranking(inp), self.protected_mask(inp))

@@ -165,6 +165,8 @@ class Policy(ABC):
     is_attention_mass: ClassVar[bool] = False
     # Names of the per-token state tensors this policy keeps next to the KV cache.
     state_names: ClassVar[tuple[str, ...]] = ()
+    # The states ``init_state`` computes from a token's key/value (the others start at 0).
+    computed_state: ClassVar[tuple[str, ...]] = ()
     # True when ``update_state`` must run on every step, not only when evicting.
     needs_every_step: ClassVar[bool] = False
     needs_o_proj: ClassVar[bool] = False
@@ -200,12 +202,12 @@ class Policy(ABC):
     # ---- per-token state -----------------------------------------------------------------
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
                    ops: ScoreOps = DENSE) -> dict[str, Tensor]:
-        """State of tokens entering the cache: [H_kv, T, d] each (any rows' tokens) -> {name: [H_kv, T]}.
+        """The ``computed_state`` of tokens entering the cache: K/V [H_kv, T, d] (any rows' tokens) ->
+        {name: [H_kv, T]}; every other state starts at 0.
 
         A pure function of each token's own key, value and the weights, so the engine computes it for
         a whole step's tokens at once."""
-        h, t = new_values.shape[0], new_values.shape[1]
-        return {name: torch.zeros(h, t, dtype=torch.float32, device=new_values.device) for name in self.state_names}
+        return {}
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         """Per-step state update over all candidates (e.g. H2O accumulation). Default: unchanged."""
@@ -276,6 +278,7 @@ class MetaPolicy(Policy):
         self.needs_every_step = base.needs_every_step or type(self).needs_every_step
         self.needs_o_proj = base.needs_o_proj or type(self).needs_o_proj
         self.state_names = tuple(dict.fromkeys(base.state_names + type(self).state_names))
+        self.computed_state = tuple(dict.fromkeys(base.computed_state + type(self).computed_state))
 
     @classmethod
     def accepts(cls, base_cls: type[Policy]) -> bool:

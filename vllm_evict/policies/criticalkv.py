@@ -16,9 +16,9 @@ slots with the highest ``(s1 + epsilon) * nu`` among the rest. The result is pro
 b per head.
 
 ``s1`` is the base's ``attention_mass`` expressed as a mean over query rows (the paper averages its
-window rows so that ``epsilon`` stays small next to it, spec §8.8): it is divided by
-``mass_rows(inp)`` (see that function for what this means for each base). A per-head constant does
-not change stage 1, only how much ``epsilon`` weighs in stage 2.
+window rows so that ``epsilon`` stays small next to it, spec §8.8): it is divided by the base's
+``mass_rows(inp)``. A per-head constant does not change stage 1, only how much ``epsilon`` weighs in
+stage 2.
 
 The paper's SnapKV uses max pooling with kernel 7 (spec §4); our SnapKV defaults to average pooling, so
 to reproduce the paper pass ``pooling="max"`` (it goes to the base): ``criticalkv+snapkv`` with
@@ -29,112 +29,38 @@ three tokens just before the window; the window itself is always kept.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, MetaPolicy, protect, topk_keep
-from vllm_evict.policies.kernels import DENSE, ScoreKernels
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, MetaPolicy
 from vllm_evict.policies.options import check_float
-
-# Elements of the [H_kv, G, tokens, hidden] projected-value block materialised at once (64 MiB fp32).
-_NU_BLOCK_ELEMENTS = 1 << 24
+from vllm_evict.policies.score_ops import DENSE, ScoreOps
 
 
-def projected_value_l1(values: Tensor, o_proj: Tensor | None) -> Tensor:
-    """``nu`` [H_kv, m]: group mean over the query heads of ``||v_j W_O^(h)||_1`` (fp32).
+def two_stage_keep(s1: Tensor, nu: Tensor, protected: Tensor, valid: Tensor, budget: Tensor, budget_max: int,
+                   alpha: float, epsilon: float) -> Tensor:
+    """CriticalKV's selection (spec §3.1), batched over rows and KV heads: kept slots [R, H, budget_max]
+    as ``dense.topk_keep`` lays them out.
 
-    values [H_kv, m, d]; o_proj [hidden, H_q*d], as ``nn.Linear(H_q*d, hidden).weight``.
-    Tokens go through in blocks so that the projected values of a long prefill chunk never exist at once.
-    """
-    if o_proj is None:
-        raise ValueError("criticalkv needs the layer's output projection weight (o_proj) to compute "
-                         "||v W_O||_1; the engine must pass o_proj to init_state")
-    h_kv, m, d = values.shape
-    if o_proj.dim() != 2 or o_proj.shape[1] % d != 0:
-        raise ValueError(f"o_proj must be [hidden, H_q*{d}], got shape {tuple(o_proj.shape)}")
-    h_q = o_proj.shape[1] // d
-    if h_q % h_kv != 0:
-        raise ValueError(f"o_proj has {h_q} query heads, not a multiple of the {h_kv} KV heads")
-    group = h_q // h_kv
-    hidden = o_proj.shape[0]
-    # Column h*d + e of o_proj is entry e of query head h; query head h serves KV head h // group.
-    weight = o_proj.to(device=values.device, dtype=torch.float32).view(hidden, h_kv, group, d)
-    v = values.float()
-    out = torch.empty(h_kv, m, dtype=torch.float32, device=values.device)
-    block = max(1, _NU_BLOCK_ELEMENTS // max(1, h_q * hidden))
-    for start in range(0, m, block):
-        stop = min(start + block, m)
-        projected = torch.einsum("kmd,okgd->kgmo", v[:, start:stop], weight)  # [H_kv, G, blk, hidden]
-        out[:, start:stop] = projected.abs().sum(dim=-1).mean(dim=1)
-    return out
-
-
-def _ahakv_rows(base, inp: EvictionInputs) -> float:
-    # Its mass sums SG-softmax rows over the last ``recent`` queries AND over the G heads of the group
-    # (times a value prior in (0, 1]); in decode it keeps adding G rows per step, which this ignores.
-    return min(base.recent, inp.queries.shape[1]) * inp.group_size
-
-
-def _nacl_rows(base, inp: EvictionInputs) -> float:
-    # Group mean of the column sums over its n_p proxy queries (n_p is derived per step).
-    return base.proxy_count(inp)
-
-
-# Base name -> rows its attention_mass adds up, where the generic rule below does not fit.
-_MASS_ROWS = {"ahakv": _ahakv_rows, "nacl": _nacl_rows}
-
-
-def mass_rows(base, inp: EvictionInputs) -> float:
-    """How many query rows the base's ``attention_mass`` adds up (each softmax row sums to 1).
-
-    - a base may say so itself with a ``mass_rows(inp)`` method (it wins);
-    - ahakv: ``min(recent, queries) * G`` (it sums over the group too); nacl: its proxy count n_p;
-    - other window bases (``query_window`` an int w > 0) sum the window queries they were given, at
-      most w: ``min(w, inp.queries.shape[1])`` rows; snapkv sums its w window rows, tova reads one
-      row (w = 1);
-    - accumulating bases (``query_window`` None: h2o) sum every query the request has processed:
-      ``inp.seq_len`` rows.
-    """
-    own = getattr(base, "mass_rows", None)
-    if callable(own):
-        rows = own(inp)
-    elif getattr(base, "name", None) in _MASS_ROWS:
-        rows = _MASS_ROWS[base.name](base, inp)
-    elif base.query_window is None:
-        rows = inp.seq_len
-    else:
-        rows = min(base.query_window, inp.queries.shape[1])
-    return float(max(rows, 1))
-
-
-def two_stage_keep(s1: Tensor, nu: Tensor, protected: Tensor, budget: int, alpha: float,
-                   epsilon: float) -> Tensor:
-    """CriticalKV's selection (spec §3.1), batched over KV heads: [H_kv, budget] ascending slot indices.
-
-    s1, nu [H_kv, n] fp32; protected bool [H_kv, n]. Ties keep the lower slot, as ``topk_keep``.
-    """
-    n = s1.shape[-1]
+    s1, nu [R, H, N] fp32; protected bool [R, H, N]; valid [R, 1, N]; budget [R]. Ties keep the lower
+    slot."""
     s1 = torch.nan_to_num(s1.float(), nan=0.0)
-    num_protected = protected.sum(dim=-1, keepdim=True)  # [H_kv, 1]
-    b1 = math.floor(alpha * budget)
-    k1 = (b1 - num_protected).clamp_min(0)
-    k2 = (budget - num_protected.clamp_min(b1)).clamp_min(0)
     neg_inf = torch.full_like(s1, float("-inf"))
-
-    def ranks(score: Tensor) -> Tensor:
-        """Rank of every slot under a stable descending sort (0 = best)."""
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-        arange = torch.arange(n, device=score.device).expand_as(order)
-        return torch.empty_like(order).scatter_(-1, order, arange)
-
-    stage1 = ~protected & (ranks(torch.where(protected, neg_inf, s1)) < k1)
+    b = budget.view(-1, 1, 1)
+    num_protected = protected.sum(dim=-1, keepdim=True)  # [R, H, 1]
+    b1 = torch.floor(alpha * b.double()).long()
+    k1 = (b1 - num_protected).clamp_min(0)
+    k2 = (b - torch.maximum(num_protected, b1)).clamp_min(0)
+    candidates = valid & ~protected
+    stage1 = candidates & (dense.rank_descending(torch.where(candidates, s1, neg_inf)) < k1)
     s2 = torch.nan_to_num((s1 + epsilon) * nu.float(), nan=0.0)
-    stage2 = ~protected & ~stage1 & (ranks(torch.where(protected | stage1, neg_inf, s2)) < k2)
+    rest = candidates & ~stage1
+    stage2 = rest & (dense.rank_descending(torch.where(rest, s2, neg_inf)) < k2)
     # protected > stage 1 > stage 2 > rest; a top-b over these priorities yields exactly b per head.
     priority = protected.float() * 3 + stage1.float() * 2 + stage2.float()
-    return topk_keep(priority, budget)
+    return dense.topk_keep(priority, valid, budget, budget_max)
 
 
 class CriticalKV(MetaPolicy):
@@ -145,6 +71,7 @@ class CriticalKV(MetaPolicy):
              "Perspective (2025)")
     needs_o_proj = True
     state_names = ("nu",)
+    computed_state = ("nu",)
     defaults = {"alpha": 0.5, "epsilon": 1e-4}
 
     def check_options(self) -> None:
@@ -152,9 +79,12 @@ class CriticalKV(MetaPolicy):
         check_float("epsilon", self.epsilon, low=0.0)
 
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
-                   kernels: ScoreKernels = DENSE) -> dict[str, Tensor]:
-        state = dict(self.base.init_state(new_keys, new_values, o_proj, kernels))
-        state["nu"] = kernels.projected_value_norms(new_values, o_proj, state_name="nu")
+                   ops: ScoreOps = DENSE) -> dict[str, Tensor]:
+        if o_proj is None:
+            raise ValueError("criticalkv needs the layer's output projection weight (o_proj) to compute "
+                             "||v W_O||_1; the engine must pass o_proj to init_state")
+        state = dict(self.base.init_state(new_keys, new_values, o_proj, ops))
+        state["nu"] = ops.value_norms(new_values, o_proj)
         return state
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
@@ -171,15 +101,16 @@ class CriticalKV(MetaPolicy):
         return nu.float()
 
     def stage1_scores(self, inp: EvictionInputs) -> Tensor:
-        """Base attention mass as a mean over its query rows, fp32 [H_kv, n]."""
-        return self.base.attention_mass(inp).float() / mass_rows(self.base, inp)
+        """Base attention mass as a mean over its query rows, fp32 [R, H_kv, N]."""
+        rows = self.base.mass_rows(inp).clamp_min(1).view(-1, 1, 1).float()
+        return self.base.attention_mass(inp).float() / rows
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         """Budget-free ranking: the stage-2 score ``(s1 + epsilon) * nu`` with protected tokens at +inf.
         Selection (``select``) is the two-stage procedure, which this single score does not capture."""
         s2 = (self.stage1_scores(inp) + self.epsilon) * self._nu(inp)
-        return protect(s2, self.base.protected_mask(inp))
+        return dense.protect(s2, self.base.protected_mask(inp))
 
-    def select(self, inp: EvictionInputs, budget: int) -> Tensor:
-        return two_stage_keep(self.stage1_scores(inp), self._nu(inp), self.base.protected_mask(inp),
-                              budget, self.alpha, self.epsilon)
+    def select(self, inp: EvictionInputs) -> Tensor:
+        return two_stage_keep(self.stage1_scores(inp), self._nu(inp), self.base.protected_mask(inp), inp.valid,
+                              inp.budget, inp.budget_max, self.alpha, self.epsilon)

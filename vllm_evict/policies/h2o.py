@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
 
 
 class H2O(SinksAndRecent):
@@ -31,15 +32,19 @@ class H2O(SinksAndRecent):
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         """acc_j += (1/G) sum_g sum_i A^(g)_ij over this step's queries i.
 
-        Tokens of this step arrive with acc = 0 (``init_state``) and pick up their own block's
-        attention here; the causal mask (by logical position) keeps earlier queries off later tokens.
+        Tokens of this step arrive with acc = 0 and pick up their own block's attention here; the
+        causal mask (by logical position) keeps earlier queries off later tokens.
         """
-        mean = inp.kernels.column_sums(inp, inp.queries, inp.query_positions) / inp.group_size
+        mean = inp.ops.window_mass(inp) / inp.group_size
         # Out of place: the caller's state must survive if this step is retried or compared.
         return {**inp.state, "acc": inp.state["acc"].float() + mean}
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        return inp.state["acc"].float()
+        return inp.state["acc"].float() * inp.valid
+
+    def mass_rows(self, inp: EvictionInputs) -> Tensor:
+        """Every query the request has processed."""
+        return inp.seq_len.clamp_min(1)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        return protect(self.attention_mass(inp), self.protected_mask(inp))
+        return dense.protect(self.attention_mass(inp), self.protected_mask(inp))

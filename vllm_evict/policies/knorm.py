@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
 
 
 class KeyNorm(SinksAndRecent):
@@ -23,4 +24,4 @@ class KeyNorm(SinksAndRecent):
         return 0
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        return protect(-inp.keys.float().norm(dim=-1), self.protected_mask(inp))
+        return dense.protect(-inp.keys.float().norm(dim=-1), self.protected_mask(inp))

@@ -15,62 +15,42 @@ Proxy count: the option ``proxy`` fixes n_p; ``None`` (default) uses the spec's 
 n_p = min(max(32, ceil(p / 10)), floor((B - sinks) / 2)) with p the logical length, further bounded
 by the query buffer (``MAX_PROXY``) and by the queries available.
 
-The random stream: Gumbel noise is drawn on the CPU from a ``torch.Generator`` seeded by a hash of
-(request seed, layer, KV head, logical length), so the same request evicted the same way always
-keeps the same tokens, heads and layers draw independently, and a later eviction of the same
-request draws afresh.
+The random stream: Gumbel noise comes from a counter-based hash of (request seed, layer, global KV
+head, logical length, token position) (``vllm_evict.dense.uniform_hash``), so the same request
+evicted the same way always keeps the same tokens, whatever the batch, the device or the tensor-
+parallel size; heads and layers draw independently, and a later eviction of the same request draws
+afresh.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask, topk_keep
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, Policy
 from vllm_evict.policies.options import check_float, check_int
+from vllm_evict.policies.random_policy import head_draws
 
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64 finaliser: a bijective 64-bit mixer, so nearby keys give unrelated seeds."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+GUMBEL_STREAM = 1  # keeps NaCl's draws apart from the random policy's
 
 
-def stream_seed(*keys: int) -> int:
-    """A 64-bit generator seed derived from a tuple of non-negative integers."""
-    h = 0
-    for key in keys:
-        h = _mix64(h ^ (int(key) & _MASK64))
-    return h
+def gumbel_noise(inp: EvictionInputs) -> Tensor:
+    """Gumbel(0, 1) noise [R, H_kv, N], one reproducible draw per (seed, layer, global head, length, position)."""
+    return -torch.log(-torch.log(head_draws(inp, GUMBEL_STREAM)))
 
 
-def gumbel_noise(n: int, seed: int, device: torch.device | str = "cpu") -> Tensor:
-    """n i.i.d. Gumbel(0, 1) draws (fp32) from a CPU generator seeded with ``seed``, moved to ``device``."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    u = torch.rand(n, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-    # u < 1 always, so -log(u) > 0 and the outer log is finite.
-    return (-torch.log(-torch.log(u))).to(device=device, dtype=torch.float32)
-
-
-def _first_k_mask(keys: Tensor, eligible: Tensor, counts: Tensor) -> Tensor:
-    """Bool [H, n]: per row, the ``counts[h]`` eligible entries with the largest keys (ties: lower slot)."""
+def first_k_mask(keys: Tensor, eligible: Tensor, counts: Tensor) -> Tensor:
+    """Bool [R, H, N]: per (row, head), the ``counts`` eligible entries with the largest keys (ties: lower slot)."""
     ranked = keys.float().masked_fill(~eligible, float("-inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return eligible & (rank < counts.unsqueeze(-1))
+    return eligible & (dense.rank_descending(ranked) < counts.unsqueeze(-1))
 
 
 @dataclass
 class NaClSelection:
-    """The three disjoint parts of NaCl's kept set, bool [H_kv, n] each."""
+    """The three disjoint parts of NaCl's kept set, bool [R, H_kv, N] each."""
 
     protected: Tensor
     proxy_top: Tensor
@@ -119,29 +99,24 @@ class NaCl(Policy):
                 f"(budget - sinks) // 2 = {self._rule_cap(budget)}; raise the budget or lower sinks ({self.sinks})")
 
     # ---- scoring ---------------------------------------------------------------------------
-    def proxy_count(self, inp: EvictionInputs, budget: int | None = None) -> int:
-        """n_p for this step (see the module docstring); with no budget at all the cap is not applied."""
-        if budget is None:
-            budget = inp.budget
+    def proxy_count(self, inp: EvictionInputs) -> Tensor:
+        """n_p per row [R] (see the module docstring); with no budget the rule's cap is not applied."""
+        available = (inp.query_positions >= 0).sum(dim=-1)
         if self.proxy is not None:
-            n_p = self.proxy
+            n_p = torch.full_like(available, self.proxy)
         else:
-            n_p = min(max(32, math.ceil(inp.seq_len / 10)), self.MAX_PROXY)
-            if budget is not None:
-                n_p = min(n_p, self._rule_cap(budget))
-        return max(0, min(n_p, inp.queries.shape[1]))
+            n_p = torch.clamp(torch.ceil(inp.seq_len.double() / 10).long(), min=32, max=self.MAX_PROXY)
+            if inp.budget is not None:
+                n_p = torch.minimum(n_p, ((inp.budget - self.sinks) // 2).clamp_min(0))
+        return torch.minimum(n_p, available)
 
-    def proxy_score(self, inp: EvictionInputs, n_proxy: int) -> Tensor:
-        """F [H_kv, n]: causal softmax column sums over the last ``n_proxy`` queries, GQA group mean."""
-        if n_proxy <= 0:
-            return torch.zeros(inp.positions.shape, dtype=torch.float32, device=inp.device)
-        w = inp.queries.shape[1]
-        q = inp.queries[:, w - n_proxy:]
-        qpos = inp.query_positions[w - n_proxy:]
-        return inp.kernels.column_sums(inp, q, qpos) / inp.group_size
+    def proxy_score(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:
+        """F [R, H_kv, N]: causal softmax column sums over the last ``n_proxy`` queries, GQA group mean."""
+        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(n_proxy)) / inp.group_size
 
-    def _protected(self, inp: EvictionInputs, n_proxy: int) -> Tensor:
-        return sink_mask(inp.positions, self.sinks) | recent_mask(inp.positions, n_proxy)
+    def _protected(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:
+        valid = inp.valid
+        return dense.sink_mask(inp.positions, valid, self.sinks) | dense.recent_mask(inp.positions, valid, n_proxy)
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         return self._protected(inp, self.proxy_count(inp))
@@ -149,10 +124,14 @@ class NaCl(Policy):
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         return self.proxy_score(inp, self.proxy_count(inp))
 
+    def mass_rows(self, inp: EvictionInputs) -> Tensor:
+        """Group mean of the column sums over its n_p proxy queries."""
+        return self.proxy_count(inp)
+
     def scores(self, inp: EvictionInputs) -> Tensor:
         """The deterministic ranking (protected, then F); ``select`` adds the random part."""
         n_p = self.proxy_count(inp)
-        return protect(self.proxy_score(inp, n_p), self._protected(inp, n_p))
+        return dense.protect(self.proxy_score(inp, n_p), self._protected(inp, n_p))
 
     # ---- selection -------------------------------------------------------------------------
     def split_counts(self, rest: Tensor) -> tuple[Tensor, Tensor]:
@@ -161,24 +140,18 @@ class NaCl(Policy):
         prox = torch.minimum(prox, rest)
         return prox, rest - prox
 
-    def noise(self, inp: EvictionInputs) -> Tensor:
-        """Gumbel noise [H_kv, n], one reproducible stream per (seed, layer, KV head, logical length)."""
-        h_kv, n = inp.positions.shape
-        rows = [gumbel_noise(n, stream_seed(inp.seed, inp.layer, h, inp.seq_len)) for h in range(h_kv)]
-        return torch.stack(rows).to(inp.device)
-
-    def partition(self, inp: EvictionInputs, budget: int) -> NaClSelection:
-        n_p = self.proxy_count(inp, budget)
+    def partition(self, inp: EvictionInputs) -> NaClSelection:
+        n_p = self.proxy_count(inp)
         score = self.proxy_score(inp, n_p)
         protected = self._protected(inp, n_p)
-        rest = (budget - protected.sum(dim=-1)).clamp(min=0)
+        rest = (inp.budget.view(-1, 1) - protected.sum(dim=-1)).clamp(min=0)  # [R, H]
         n_top, n_rand = self.split_counts(rest)
-        candidates = ~protected
-        top = _first_k_mask(score, candidates, n_top)
+        candidates = inp.valid & ~protected
+        top = first_k_mask(score, candidates, n_top)
         # Gumbel-top-k: the n_rand largest F/tau + G are a draw without replacement from softmax(F/tau).
-        perturbed = score / float(self.temperature) + self.noise(inp)
-        rand = _first_k_mask(perturbed, candidates & ~top, n_rand)
+        perturbed = score / float(self.temperature) + gumbel_noise(inp)
+        rand = first_k_mask(perturbed, candidates & ~top, n_rand)
         return NaClSelection(protected=protected, proxy_top=top, random=rand)
 
-    def select(self, inp: EvictionInputs, budget: int) -> Tensor:
-        return topk_keep(self.partition(inp, budget).keep_mask.float(), budget)
+    def select(self, inp: EvictionInputs) -> Tensor:
+        return dense.topk_keep(self.partition(inp).keep_mask.float(), inp.valid, inp.budget, inp.budget_max)

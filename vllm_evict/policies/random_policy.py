@@ -1,25 +1,28 @@
 """Random eviction: a uniformly random choice of survivors, the floor every scored method must beat.
 
-Scores are i.i.d. uniform, drawn per (layer, KV head, token) from a CPU generator seeded by the
-request seed, the layer and the step (``seq_len``). The draw is therefore reproducible, identical on
-CPU and GPU, different for every head and layer, and fresh at every eviction event (reusing one draw
-per layer would turn a fixed slot ranking into a systematic bias, e.g. always evicting the newest slot).
+Scores are i.i.d. uniform, one per (request seed, layer, global KV head, logical length, token
+position), from a counter-based hash (``vllm_evict.dense.uniform_hash``): reproducible, identical on
+CPU and GPU and for any tensor-parallel size (heads are numbered globally), independent of the slot
+order and of the other requests in the batch, different for every head and layer, and fresh at every
+eviction event (reusing one draw per layer would turn a fixed ranking into a systematic bias).
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
 
 
-def stream_seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers (Python's ``hash`` is not meant to be stable)."""
-    digest = hashlib.blake2b(":".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+def head_draws(inp: EvictionInputs, stream: int = 0) -> Tensor:
+    """Uniform (0, 1) draws [R, H_kv, N] keyed by (seed, layer, global head, seq_len, position, stream)."""
+    rows, heads = inp.num_rows, inp.num_kv_heads
+    seed = torch.as_tensor(inp.seed, dtype=torch.int64, device=inp.device).expand(rows).view(rows, 1, 1)
+    head = (inp.head_offset + torch.arange(heads, device=inp.device)).view(1, heads, 1)
+    seq_len = inp.seq_len.view(rows, 1, 1)
+    return dense.uniform_hash(seed, inp.layer, head, seq_len, inp.positions.long().clamp_min(0), stream)
 
 
 class RandomPolicy(SinksAndRecent):
@@ -34,7 +37,4 @@ class RandomPolicy(SinksAndRecent):
         return 0
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        gen = torch.Generator(device="cpu").manual_seed(stream_seed(inp.seed, inp.layer, inp.seq_len))
-        # Drawn on the CPU and then moved, so that CPU and GPU runs keep the same tokens.
-        draw = torch.rand(inp.positions.shape, generator=gen, dtype=torch.float32)
-        return protect(draw.to(inp.device), self.protected_mask(inp))
+        return dense.protect(head_draws(inp), self.protected_mask(inp))

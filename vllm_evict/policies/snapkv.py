@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vllm_evict.policies.attention import pool_in_position_order
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, recent_mask, sink_mask
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, Policy
 from vllm_evict.policies.options import check_choice, check_int, check_odd_kernel
 
 
@@ -35,22 +35,35 @@ class SnapKV(Policy):
     def protected_count(self, budget: int) -> int:
         return self.window + self.sinks
 
+    def _pool(self, scores: Tensor, inp: EvictionInputs) -> Tensor:
+        return dense.pool_in_position_order(scores, inp.positions, inp.valid, self.kernel, self.pooling)
+
     def window_mass(self, inp: EvictionInputs) -> Tensor:
-        """Attention of the window queries summed over the window, GQA group mean: [H_kv, n]."""
-        return inp.kernels.column_sums(inp, inp.queries, inp.query_positions) / inp.group_size
+        """Attention of the window queries summed over the window, GQA group mean: [R, H_kv, N]."""
+        return inp.ops.window_mass(inp) / inp.group_size
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """Pooled over the whole token axis, window tokens included, so the mass is finite everywhere:
         CAOTE needs that for its normalisation (caote.md §3.1)."""
-        return pool_in_position_order(self.window_mass(inp), inp.positions, self.kernel, self.pooling)
+        return self._pool(self.window_mass(inp), inp)
+
+    def group_masses(self, inp: EvictionInputs) -> Tensor:
+        """``attention_mass`` before the group mean: window column sums pooled per query head
+        [R, H_kv, G, N] (CAOTE's per-head mode). With average pooling their group mean is
+        ``attention_mass`` (pooling is linear)."""
+        return self._pool(inp.ops.window_mass(inp, per_query_head=True), inp)
+
+    def mass_rows(self, inp: EvictionInputs) -> Tensor:
+        """The window rows the mass sums: the queries the row has (at most ``window``)."""
+        return (inp.query_positions >= 0).sum(dim=-1).clamp_min(1)
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return recent_mask(inp.positions, self.window) | sink_mask(inp.positions, self.sinks)
+        valid = inp.valid
+        return dense.recent_mask(inp.positions, valid, self.window) | dense.sink_mask(inp.positions, valid, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         """As the original SnapKV: only the tokens before the window are scored and pooled (zeroing
         the window before zero-padded pooling is the same thing), the window is kept outright."""
-        protected = self.protected_mask(inp)
-        raw = self.window_mass(inp).masked_fill(recent_mask(inp.positions, self.window), 0.0)
-        pooled = pool_in_position_order(raw, inp.positions, self.kernel, self.pooling)
-        return protect(pooled, protected)
+        window = dense.recent_mask(inp.positions, inp.valid, self.window)
+        pooled = self._pool(self.window_mass(inp).masked_fill(window, 0.0), inp)
+        return dense.protect(pooled, self.protected_mask(inp))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, Policy, protect, sink_mask
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, Policy
 from vllm_evict.policies.options import check_int
 
 
@@ -33,7 +34,7 @@ class StreamingLLM(Policy):
         return self.sinks
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return sink_mask(inp.positions, self.sinks)
+        return dense.sink_mask(inp.positions, inp.valid, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         """Recency rank in logical order (0 = oldest), so top-k takes the newest tokens.
@@ -41,7 +42,7 @@ class StreamingLLM(Policy):
         The rank rather than the raw position: positions beyond 2^24 would collide in fp32, ranks stay
         exact for any realistic cache size, and the slot order (which compaction may shuffle) is irrelevant.
         """
-        order = torch.argsort(inp.positions, dim=-1, stable=True)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(
-            order.shape[-1], device=order.device).expand_as(order).contiguous())
-        return protect(rank.float(), self.protected_mask(inp))
+        order = dense.order_by_position(inp.positions, inp.valid)
+        ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order).contiguous()
+        rank = torch.empty_like(order).scatter_(-1, order, ranks)
+        return dense.protect(rank.float(), self.protected_mask(inp))

@@ -7,9 +7,11 @@ does (caote.md §3.1, §8). The original paper averages over all heads of a laye
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
+from vllm_evict import dense
+from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
 
 
 class TOVA(SinksAndRecent):
@@ -24,13 +26,16 @@ class TOVA(SinksAndRecent):
         return 1
 
     def group_masses(self, inp: EvictionInputs) -> Tensor:
-        """A^(g)_{last, j} for every query head g of each group: [H_kv, G, n] (CAOTE's per-head mode)."""
-        # Slice defensively: whatever window the caller hands over, only the newest query counts.
-        return inp.kernels.column_sums(inp, inp.queries[:, -1:], inp.query_positions[-1:], per_query_head=True)
+        """A^(g)_{last, j} for every query head g of each group: [R, H_kv, G, N] (CAOTE's per-head mode)."""
+        # Whatever window the caller hands over, only the newest query counts.
+        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(1), per_query_head=True)
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """h_j = (1/G) sum_g A^(g)_{last, j}: one softmax row per query head, so it sums to 1 per KV head."""
-        return inp.kernels.column_sums(inp, inp.queries[:, -1:], inp.query_positions[-1:]) / inp.group_size
+        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(1)) / inp.group_size
+
+    def mass_rows(self, inp: EvictionInputs) -> Tensor:
+        return torch.ones(inp.num_rows, dtype=torch.int64, device=inp.device)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        return protect(self.attention_mass(inp), self.protected_mask(inp))
+        return dense.protect(self.attention_mass(inp), self.protected_mask(inp))

@@ -1,0 +1,111 @@
+"""The tensors eviction keeps next to vLLM's KV cache, for every hooked layer at once.
+
+- ``positions`` int32 [L, num_pages, H_kv, bs]: the logical position of every slot (RoPE stays
+  logical while compaction moves tokens to other slots);
+- ``states[name]`` fp32 [L, num_pages, H_kv, bs]: per-token policy state (H2O's accumulated
+  attention, CriticalKV's projected value norms, ...), paged exactly like K and V;
+- ``ring`` [L, rows + 1, W, H_q, d] (model dtype): the last W queries of every input-batch row, for
+  policies with an observation window, and ``ring_positions`` int64 [rows + 1, W] (-1: empty). The
+  extra row is a trash row for tokens that must not land in any row's window.
+
+One tensor across layers, so that what is the same for every layer (a new token's position, a state
+that starts at 0) is written once per step. ``bytes_per_page`` / ``fixed_bytes`` let the worker count
+them in the KV-cache memory budget before vLLM sizes the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vllm_evict.evict_step import POSITION_DTYPE
+from vllm_evict.policies.base import Policy
+
+EMPTY = -1
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    num_pages: int
+    kv_heads: int
+    page_size: int
+    query_heads: int
+    head_size: int
+    max_rows: int
+    dtype: torch.dtype  # the KV cache's (and the ring's) dtype
+    device: torch.device
+
+
+def bytes_per_page(geometry: Geometry, num_states: int) -> int:
+    """Bytes of positions and ``num_states`` state buffers per KV page, over all layers."""
+    per_slot = torch.tensor([], dtype=POSITION_DTYPE).element_size() + 4 * num_states
+    return geometry.layers * geometry.kv_heads * geometry.page_size * per_slot
+
+
+def ring_bytes(geometry: Geometry, window: int) -> int:
+    element = torch.tensor([], dtype=geometry.dtype).element_size()
+    return (geometry.layers * (geometry.max_rows + 1) * window * geometry.query_heads * geometry.head_size * element
+            + (geometry.max_rows + 1) * window * 8)
+
+
+class EvictionBuffers:
+    def __init__(self, geometry: Geometry) -> None:
+        g = self.geometry = geometry
+        self.positions = torch.zeros(g.layers, g.num_pages, g.kv_heads, g.page_size, dtype=POSITION_DTYPE,
+                                     device=g.device)
+        self.states: dict[str, Tensor] = {}
+        self.window = 0
+        self.ring: Tensor | None = None
+        self.ring_positions: Tensor | None = None
+
+    @property
+    def trash_row(self) -> int:
+        return self.geometry.max_rows
+
+    def ensure_policy(self, policy: Policy) -> bool:
+        """Allocate what ``policy`` needs (its states, a ring as wide as its window); True if anything new."""
+        g = self.geometry
+        changed = False
+        for name in policy.state_names:
+            if name not in self.states:
+                self.states[name] = torch.zeros(g.layers, g.num_pages, g.kv_heads, g.page_size,
+                                                dtype=torch.float32, device=g.device)
+                changed = True
+        window = policy.query_window or 0
+        if window > self.window:
+            self._grow_ring(window)
+            changed = True
+        return changed
+
+    def _grow_ring(self, window: int) -> None:
+        """A wider ring (a request with a wider window arrived); every stored query moves to its entry
+        in the new ring (position % W), so running requests keep their windows."""
+        g = self.geometry
+        ring = torch.zeros(g.layers, g.max_rows + 1, window, g.query_heads, g.head_size, dtype=g.dtype,
+                           device=g.device)
+        positions = torch.full((g.max_rows + 1, window), EMPTY, dtype=torch.int64, device=g.device)
+        if self.ring is not None and self.ring_positions is not None:
+            old = self.ring_positions
+            rows = torch.arange(g.max_rows + 1, device=g.device).view(-1, 1).expand_as(old)
+            stored = old >= 0
+            target = (rows * window + old.remainder(window))[stored]
+            ring.view(g.layers, -1, g.query_heads, g.head_size)[:, target] = self.ring[:, stored]
+            positions.view(-1)[target] = old[stored]
+        self.ring, self.ring_positions, self.window = ring, positions, window
+
+    def on_row(self, kind: str, a: int, b: int) -> None:
+        """Follow the input batch's row moves (see engine/rows.py)."""
+        if self.ring is None or self.ring_positions is None:
+            return
+        if kind == "add":
+            self.ring_positions[a].fill_(EMPTY)
+        elif kind == "move":
+            self.ring[:, b] = self.ring[:, a]
+            self.ring_positions[b] = self.ring_positions[a]
+        elif kind == "swap":
+            index = torch.tensor([b, a], device=self.ring.device)
+            self.ring[:, [a, b]] = self.ring[:, index]
+            self.ring_positions[[a, b]] = self.ring_positions[index]

@@ -1,0 +1,152 @@
+"""Once per step, before the forward: physical lengths for attention, and the ``StepPlan`` every
+layer's hook runs (``vllm_evict.evict_step``).
+
+Everything here is per step, not per layer, and vectorised over the batch's rows with numpy on the
+host (vLLM's own per-row arrays, and ours in engine/rows.py); device work is a handful of copies and
+index computations, none of which waits for the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_evict.engine.buffers import EvictionBuffers
+from vllm_evict.engine.plan import EvictionPlan
+from vllm_evict.engine.rows import RowTable
+from vllm_evict.evict_step import (
+    Group, Record, StepPlan, build_group, record_step, ring_entries, state_initializers,
+)
+from vllm_evict.policies.base import Phase, Policy
+
+PHASES = (Phase.PREFILL, Phase.PROMPT_END, Phase.DECODE)
+
+
+@dataclass
+class Compaction:
+    """A request compacted in this step: applied to vLLM's block table at the start of the next."""
+
+    request_id: str
+    logical: int  # logical tokens after this step
+    keep: int  # tokens left in cache
+
+
+@dataclass
+class BuiltStep:
+    plan: StepPlan
+    initializers: list[Policy]
+    num_tokens: int
+    compactions: list[Compaction]
+    rows: dict[str, int]  # request id -> row, for the requests of a group (records, tests)
+
+
+def phase_codes(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """Index into PHASES per row, as ``vllm_evict.schedule.phase_of`` decides it."""
+    return np.where(computed >= prompt, 2, np.where(computed + scheduled >= prompt, 1, 0))
+
+
+class StepBuilder:
+    def __init__(self, rows: RowTable, buffers: EvictionBuffers, device: torch.device) -> None:
+        self.rows = rows
+        self.buffers = buffers
+        self.device = device
+        self.page_size = buffers.geometry.page_size
+        # Persistent per-row buffer of evicted counts on the device, refilled (not reallocated) per step.
+        self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
+
+    # ---- physical lengths ------------------------------------------------------------------------
+    def make_lengths_physical(self, runner: Any, num_reqs: int, num_tokens: int) -> None:
+        """Attention reads each row's compacted cache and writes new tokens right after it: subtract the
+        row's evicted count from ``seq_lens``, its upper bound and the slot positions (RoPE positions
+        stay logical)."""
+        evicted = self.rows.evicted[:num_reqs]
+        if not evicted.any():
+            return
+        host = torch.from_numpy(evicted)
+        shift = self.evicted_device[:num_reqs]
+        shift.copy_(host, non_blocking=True)
+        runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
+        runner.optimistic_seq_lens_cpu[:num_reqs] -= host.to(runner.optimistic_seq_lens_cpu.dtype)
+        token_rows = runner.req_indices.gpu[:num_tokens]
+        physical = runner.positions[:num_tokens] - shift[token_rows].to(runner.positions.dtype)
+        runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
+                                                            physical)
+
+    # ---- the step plan -------------------------------------------------------------------------
+    def build(self, runner: Any, plan: EvictionPlan, num_scheduled: np.ndarray) -> BuiltStep:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        num_tokens = int(num_scheduled[:num_reqs].sum())
+        self.make_lengths_physical(runner, num_reqs, num_tokens)
+
+        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        scheduled = num_scheduled[:num_reqs].astype(np.int64)
+        evicted = self.rows.evicted[:num_reqs]
+        cached_after = computed - evicted + scheduled
+        self.rows.cached[:num_reqs] = cached_after
+        policy_index = self.rows.policy[:num_reqs]
+        policies = self.rows.policies.policies
+
+        keep = np.full(num_reqs, -1, dtype=np.int64)
+        compactions: list[Compaction] = []
+        for request_id, kept in plan.keep.items():  # only the requests that evict now
+            row = batch.req_id_to_index[request_id]
+            expected = plan.cached.get(request_id)
+            if expected is not None and expected != cached_after[row]:
+                raise RuntimeError(
+                    f"vllm_evict: worker and scheduler disagree on request {request_id}: the worker has "
+                    f"{cached_after[row]} tokens cached after this step, the scheduler planned {expected}")
+            keep[row] = kept
+            compactions.append(Compaction(request_id, int(computed[row] + scheduled[row]), kept))
+
+        every_step = np.array([p.needs_every_step for p in policies] + [False], dtype=bool)[policy_index]
+        acting = (policy_index >= 0) & ((keep >= 0) | every_step)
+        present = sorted(set(policy_index[policy_index >= 0].tolist()))
+        initializers, zero_states = state_initializers([policies[i] for i in present])
+
+        record = self._record(runner, num_reqs, num_tokens, computed, scheduled)
+        step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
+                        zero_states=zero_states)
+        record_step(self.buffers.positions, self.buffers.states, step)
+
+        rows_by_id: dict[str, int] = {}
+        if acting.any():
+            phase = phase_codes(computed, scheduled, batch.num_prompt_tokens[:num_reqs].astype(np.int64))
+            key = (policy_index * 3 + phase) * 2 + (keep >= 0)
+            for k in np.unique(key[acting]):
+                rows = np.nonzero(acting & (key == k))[0]
+                step.groups.append(self._group(runner, rows, policies[int(policy_index[rows[0]])],
+                                               PHASES[int(phase[rows[0]])], keep, computed, scheduled,
+                                               cached_after))
+                rows_by_id.update({batch.req_ids[r]: int(r) for r in rows})
+        return BuiltStep(plan=step, initializers=initializers, num_tokens=num_tokens, compactions=compactions,
+                         rows=rows_by_id)
+
+    def _record(self, runner: Any, num_reqs: int, num_tokens: int, computed: np.ndarray,
+                scheduled: np.ndarray) -> Record:
+        slots = runner.input_batch.block_table[0].slot_mapping.gpu[:num_tokens]
+        ring_index = None
+        if self.buffers.window:
+            token_rows = np.repeat(np.arange(num_reqs), scheduled)
+            entries = ring_entries(token_rows, runner.query_pos.np[:num_tokens], scheduled, computed,
+                                   self.buffers.window, self.buffers.trash_row)
+            ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
+        return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
+                      positions=runner.positions[:num_tokens].to(torch.int32), ring_index=ring_index)
+
+    def _group(self, runner: Any, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
+               computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray) -> Group:
+        lengths = cached_after[rows]
+        pages = -(-int(lengths.max()) // self.page_size)
+        index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
+        table = runner.input_batch.block_table[0].block_table.gpu[:, :pages].index_select(0, index)
+        seed = self.rows.policies.configs[int(self.rows.policy[rows[0]])].seed
+        evicting = bool(keep[rows[0]] >= 0)
+        return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
+                           scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
+                           keep=keep[rows] if evicting else None,
+                           ring_rows=rows if self.buffers.ring is not None else None,
+                           token_starts=runner.query_start_loc.np[rows])
