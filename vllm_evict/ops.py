@@ -169,12 +169,8 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
         return paged.window_mass(*args, **kwargs)
     if chosen == "triton":
         return _triton_module("window_mass").window_mass(*args, **kwargs)
-    rows, w = query_positions.shape
-    packed = queries.reshape(rows * w, *queries.shape[2:])
-    starts = torch.arange(rows + 1, device=k_cache.device, dtype=torch.int64) * w
-    flat_gain = gain.reshape(-1) if gain is not None else None
-    return cuda_extension().window_mass(k_cache, block_table, lengths, packed, starts, query_positions.reshape(-1),
-                                        float(scale), positions, flat_gain, int(width))
+    return cuda_extension().window_mass(k_cache, block_table, lengths, queries, query_positions, float(scale),
+                                        positions, int(width), gain)
 
 
 def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int,

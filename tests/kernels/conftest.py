@@ -1,8 +1,10 @@
-"""Kernel tests: every Triton kernel against its PyTorch reference (vllm_evict/paged.py).
+"""Kernel tests: every backend of every ``vllm_evict.ops`` operation against its PyTorch reference
+(vllm_evict/paged.py, vllm_evict/dense.py).
 
 Without a GPU the Triton kernels run in the Triton interpreter on CPU tensors. Triton reads
 TRITON_INTERPRET when a kernel is decorated, i.e. when vllm_evict.kernels.* is first imported, so it is
-set here, before any test module imports them. With a GPU the same tests also run on CUDA tensors.
+set here (and in tests/conftest.py), before any test module imports them. With a GPU the same tests
+also run on CUDA tensors, and the CUDA kernels join the backends where the extension builds.
 """
 
 from __future__ import annotations
@@ -26,14 +28,34 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+def _cuda_ready(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("the CUDA kernels need a CUDA device")
+    from vllm_evict import csrc
+
+    if csrc.load_extension() is None:
+        pytest.skip(f"CUDA extension not built: {csrc.load_error()}")
+
+
+@pytest.fixture(params=["torch", "triton", "cuda"])
+def backend(request, device) -> str:
+    """Every backend of an op with a CUDA kernel: the PyTorch reference through the dispatch, Triton
+    (the interpreter on CPU) and CUDA (GPUs only)."""
+    if request.param == "cuda":
+        _cuda_ready(device)
+    return request.param
+
+
+@pytest.fixture(params=["torch", "triton"])
+def triton_backend(request) -> str:
+    """Every backend of an op without a CUDA kernel."""
+    return request.param
+
+
 @pytest.fixture(params=["triton", "cuda"])
 def kernel_backend(request, device) -> str:
-    """Backends with a compiled kernel: Triton everywhere (interpreter on CPU), CUDA on GPUs."""
+    """The compiled backends of an op with a CUDA kernel (for arguments the PyTorch reference does not
+    take as they are, e.g. int32 or non-contiguous index tensors)."""
     if request.param == "cuda":
-        if device.type != "cuda":
-            pytest.skip("the CUDA kernels need a CUDA device")
-        from vllm_evict import csrc
-
-        if csrc.load_extension() is None:
-            pytest.skip(f"CUDA extension not built: {csrc.load_error()}")
+        _cuda_ready(device)
     return request.param

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -15,33 +18,80 @@ from vllm_evict import csrc, ops
 
 
 def test_cpu_tensors_default_to_the_reference():
+    assert ops.OPS == ("compact_tokens", "window_mass", "keydiff_scores", "output_error", "value_norms")
     for op in ops.OPS:
         assert ops.select_backend(op, torch.device("cpu")) == "torch"
 
 
 def test_explicit_backends_are_checked():
-    with pytest.raises(ValueError, match="unknown kernel backend"):
+    with pytest.raises(ValueError, match="unknown kernel backend 'tpu'; choose one of cuda, triton, torch"):
         ops.select_backend("keydiff_scores", torch.device("cpu"), backend="tpu")
-    with pytest.raises(RuntimeError, match="no CUDA kernel"):
-        ops.select_backend("keydiff_scores", torch.device("cpu"), backend="cuda")
-    with pytest.raises(RuntimeError, match="CUDA kernel does not take"):
-        ops.select_backend("compact_tokens", torch.device("cpu"), backend="cuda")
-    assert ops.select_backend("keydiff_scores", torch.device("cpu"), backend="triton") == "triton"
+    with pytest.raises(RuntimeError, match="value_norms has no CUDA kernel; CUDA kernels exist for compact_tokens, "
+                                           "window_mass"):
+        ops.select_backend("value_norms", torch.device("cpu"), backend="cuda")
+    with pytest.raises(RuntimeError, match=r"window_mass: the CUDA kernel does not take these arguments \(device cpu\)"):
+        ops.select_backend("window_mass", torch.device("cpu"), backend="cuda")
+    for op in ops.OPS:
+        assert ops.select_backend(op, torch.device("cpu"), backend="triton") == "triton"
 
 
 def test_preference_table():
     try:
-        assert ops.preferences()["compact_tokens"] == "cuda"
-        assert ops.preferences()["window_attention_mass"] == "cuda"
-        assert ops.preferences()["keydiff_scores"] == "triton"
-        ops.set_preference("window_attention_mass", "triton")
-        assert ops.preferences()["window_attention_mass"] == "triton"
-        with pytest.raises(ValueError):
-            ops.set_preference("caote_scores", "cuda")
-        with pytest.raises(ValueError):
-            ops.set_preference("nope", "torch")
+        assert ops.preferences() == {"compact_tokens": "cuda", "window_mass": "cuda", "keydiff_scores": "triton",
+                                     "output_error": "triton", "value_norms": "triton"}
+        ops.set_preference("window_mass", "triton")
+        assert ops.preferences()["window_mass"] == "triton"
+        with pytest.raises(ValueError, match="output_error has no CUDA kernel"):
+            ops.set_preference("output_error", "cuda")
+        with pytest.raises(ValueError, match="unknown operation 'caote_scores'; operations: compact_tokens, "):
+            ops.set_preference("caote_scores", "torch")
     finally:
         ops.reset_preferences()
+    assert ops.preferences()["window_mass"] == "cuda"
+
+
+def test_preferences_from_the_environment(monkeypatch):
+    try:
+        monkeypatch.setenv("VLLM_EVICT_KERNELS", " window_mass=triton , compact_tokens=torch,")
+        ops._load_env_preferences()
+        assert ops.preferences()["window_mass"] == "triton" and ops.preferences()["compact_tokens"] == "torch"
+        monkeypatch.setenv("VLLM_EVICT_KERNELS", "value_norms=cuda")
+        with pytest.raises(ValueError, match="value_norms has no CUDA kernel"):
+            ops._load_env_preferences()
+    finally:
+        ops.reset_preferences()
+
+
+def test_every_op_has_a_triton_launcher_with_the_dispatch_signature():
+    """kernels/<module>.<op> takes the parameters of the op's reference, in order (plus tile sizes)."""
+    from vllm_evict import dense, paged
+
+    modules = {"compact_tokens": "compact", "window_mass": "window_mass", "keydiff_scores": "keydiff",
+               "output_error": "output_error", "value_norms": "value_norms"}
+    for op in ops.OPS:
+        launcher = getattr(importlib.import_module(f"vllm_evict.kernels.{modules[op]}"), op)
+        reference = getattr(dense if op == "value_norms" else paged, op)
+        want = list(inspect.signature(reference).parameters)
+        got = list(inspect.signature(launcher).parameters)
+        assert got[:len(want)] == want, (op, got, want)
+        assert all(inspect.signature(launcher).parameters[p].kind == inspect.Parameter.KEYWORD_ONLY
+                   for p in got[len(want):]), op
+
+
+def _binding_args(name: str) -> list[str]:
+    text = csrc.BINDING_SOURCE.read_text()
+    start = text.index(f'm.def("{name}"')
+    return re.findall(r'py::arg\("(\w+)"\)', text[start:text.index(");", start)])
+
+
+def test_cuda_binding_takes_the_reference_arguments():
+    """The binding's arguments are the paged reference's, in its order (per cache for compaction; the
+    CUDA window mass has no per_query_head), which is how ops calls it."""
+    from vllm_evict import paged
+
+    window = list(inspect.signature(paged.window_mass).parameters)
+    assert _binding_args("window_mass") == [p for p in window if p != "per_query_head"]
+    assert _binding_args("compact_") == ["cache", *list(inspect.signature(paged.compact_tokens).parameters)[1:]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU fallback")

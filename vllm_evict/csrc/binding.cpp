@@ -1,11 +1,13 @@
 // Torch binding of the CUDA eviction kernels (the kernels themselves are in evict_kernels.cu).
 // Built JIT by vllm_evict.csrc.load_extension() with torch.utils.cpp_extension.load.
+//
+// Arguments are validated and passed as pointers and strides: no argument is converted or copied, so
+// compact_ runs one kernel and no aten op, and window_mass three kernels plus two allocations from
+// the caching allocator (its result and one scratch buffer), with no host-device synchronisation.
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
-
-#include <cmath>
 
 #include "evict_kernels.h"
 
@@ -15,27 +17,45 @@ void check_cuda(int err, const char* what) {
   TORCH_CHECK(err == 0, what, " failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-torch::Tensor as_int64(const torch::Tensor& t, const torch::Device& device) {
-  return t.to(device, torch::kInt64).contiguous();
+// An int32/int64 tensor on `device`, read in place by the kernels.
+vllm_evict::Index index_of(const torch::Tensor& t, const char* name, const torch::Device& device) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, " like the cache, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == torch::kInt32 || t.scalar_type() == torch::kInt64, name,
+              " must be int32 or int64, got ", t.scalar_type());
+  return {t.data_ptr(), t.scalar_type() == torch::kInt64};
+}
+
+void check_table(const torch::Tensor& block_table, int64_t rows) {
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == rows, "block_table must be [R, pages] with R = ",
+              rows, ", got ", block_table.sizes());
 }
 
 void compact_(torch::Tensor cache, torch::Tensor block_table, torch::Tensor keep, torch::Tensor counts) {
   TORCH_CHECK(cache.is_cuda(), "cache must be a CUDA tensor");
-  TORCH_CHECK(cache.dim() == 3 || cache.dim() == 4, "cache must be [nb, H, bs, d] or [nb, H, bs]");
-  TORCH_CHECK(keep.dim() == 3, "keep must be [R, H, b]");
+  TORCH_CHECK(cache.dim() == 3 || cache.dim() == 4, "cache must be [num_pages, H, page_size, d] or "
+              "[num_pages, H, page_size], got ", cache.sizes());
+  TORCH_CHECK(keep.dim() == 3 && keep.size(1) == cache.size(1), "keep must be [R, H, b] with H = ", cache.size(1),
+              ", got ", keep.sizes());
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == keep.size(0), "counts must be [R] with R = ", keep.size(0),
+              ", got ", counts.sizes());
+  check_table(block_table, keep.size(0));
   const c10::cuda::CUDAGuard guard(cache.device());
-  auto bt = as_int64(block_table.dim() == 1 ? block_table.unsqueeze(0) : block_table, cache.device());
-  auto kp = as_int64(keep, cache.device());
-  auto cnt = as_int64(counts, cache.device());
-  const bool has_d = cache.dim() == 4;
-  const int64_t d = has_d ? cache.size(3) : 1;
-  const int64_t s_dim = has_d ? cache.stride(3) : 0;
-  check_cuda(vllm_evict::launch_compact(cache.data_ptr(), static_cast<int>(cache.element_size()), bt.data_ptr<int64_t>(),
-                                        bt.stride(0), kp.data_ptr<int64_t>(), kp.stride(0), kp.stride(1),
-                                        cnt.data_ptr<int64_t>(), kp.size(0), kp.size(1), cache.size(2),
-                                        cache.stride(0), cache.stride(1), cache.stride(2), s_dim, d,
-                                        c10::cuda::getCurrentCUDAStream().stream()),
-             "compact");
+  const auto dev = cache.device();
+  vllm_evict::CompactArgs a{};
+  a.cache = cache.data_ptr();
+  a.elem_size = static_cast<int>(cache.element_size());
+  a.s_blk = cache.stride(0); a.s_head = cache.stride(1); a.s_tok = cache.stride(2);
+  a.s_dim = cache.dim() == 4 ? cache.stride(3) : 0;
+  a.d = cache.dim() == 4 ? cache.size(3) : 1;
+  a.page_size = cache.size(2);
+  a.block_table = index_of(block_table, "block_table", dev);
+  a.bt_s_r = block_table.stride(0); a.bt_s_p = block_table.stride(1);
+  a.keep = index_of(keep, "keep", dev);
+  a.keep_s_r = keep.stride(0); a.keep_s_h = keep.stride(1); a.keep_s_b = keep.stride(2); a.b_max = keep.size(2);
+  a.counts = index_of(counts, "counts", dev);
+  a.counts_s = counts.stride(0);
+  a.rows = keep.size(0); a.heads = keep.size(1);
+  check_cuda(vllm_evict::launch_compact(a, c10::cuda::getCurrentCUDAStream().stream()), "compact");
 }
 
 int scalar_kind(const torch::Tensor& t) {
@@ -48,58 +68,64 @@ int scalar_kind(const torch::Tensor& t) {
   return -1;
 }
 
+// fp32 [R, H_kv, width]: the window mass of every row summed over the GQA group. The arguments are
+// those of paged.window_mass, in its order (per_query_head aside: not supported here).
 torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torch::Tensor lengths,
-                          torch::Tensor queries, torch::Tensor query_start_loc, torch::Tensor query_positions,
-                          double scale, c10::optional<torch::Tensor> positions, c10::optional<torch::Tensor> gain,
-                          int64_t max_len) {
-  TORCH_CHECK(k_cache.is_cuda() && k_cache.dim() == 4, "k_cache must be a CUDA [nb, H_kv, bs, d] view");
-  TORCH_CHECK(queries.scalar_type() == k_cache.scalar_type(), "queries and keys must share a dtype");
+                          torch::Tensor queries, torch::Tensor query_positions, double scale, torch::Tensor positions,
+                          int64_t width, c10::optional<torch::Tensor> gain) {
+  TORCH_CHECK(k_cache.is_cuda() && k_cache.dim() == 4, "k_cache must be a CUDA [num_pages, H_kv, page_size, d] view");
+  TORCH_CHECK(k_cache.size(3) <= 256, "window mass supports head sizes up to 256, got ", k_cache.size(3));
+  TORCH_CHECK(queries.scalar_type() == k_cache.scalar_type(), "queries (", queries.scalar_type(),
+              ") and keys (", k_cache.scalar_type(), ") must share a dtype");
+  TORCH_CHECK(lengths.dim() == 1, "lengths must be [R], got ", lengths.sizes());
+  const int64_t rows = lengths.size(0), h_kv = k_cache.size(1);
+  TORCH_CHECK(queries.dim() == 4 && queries.size(0) == rows && queries.size(3) == k_cache.size(3),
+              "queries must be [R, W, H_q, d] with R = ", rows, " and d = ", k_cache.size(3), ", got ", queries.sizes());
+  const int64_t w = queries.size(1), h_q = queries.size(2);
+  TORCH_CHECK(h_q % h_kv == 0, h_q, " query heads do not form groups over ", h_kv, " KV heads");
+  TORCH_CHECK(query_positions.dim() == 2 && query_positions.size(0) == rows && query_positions.size(1) == w,
+              "query_positions must be [R, W] = [", rows, ", ", w, "], got ", query_positions.sizes());
+  TORCH_CHECK(positions.scalar_type() == torch::kInt32, "positions must be int32, got ", positions.scalar_type());
+  TORCH_CHECK(positions.dim() == 3 && positions.size(0) == k_cache.size(0) && positions.size(1) == h_kv &&
+              positions.size(2) == k_cache.size(2), "positions must be [num_pages, H_kv, page_size], got ",
+              positions.sizes());
+  TORCH_CHECK(width >= 0, "width must be >= 0, got ", width);
+  check_table(block_table, rows);
   const c10::cuda::CUDAGuard guard(k_cache.device());
   const auto dev = k_cache.device();
-  auto bt = as_int64(block_table.dim() == 1 ? block_table.unsqueeze(0) : block_table, dev);
-  auto len = as_int64(lengths, dev);
-  auto qsl = as_int64(query_start_loc, dev);
-  auto qpos = as_int64(query_positions, dev);
-  const int64_t n_req = len.size(0), h_kv = k_cache.size(1), t = queries.size(0), h_q = queries.size(1);
-  TORCH_CHECK(h_q % h_kv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(queries.device() == dev && positions.device() == dev, "queries and positions must be on ", dev);
   auto f32 = torch::TensorOptions().device(dev).dtype(torch::kFloat32);
-  auto out = torch::zeros({n_req, h_kv, max_len}, f32);
-  if (max_len == 0 || t == 0 || n_req == 0) return out;
-  torch::Tensor pos, g;
+  if (rows == 0 || w == 0 || width == 0) return torch::zeros({rows, h_kv, width}, f32);  // no key or no query
   vllm_evict::WindowArgs a{};
   a.k = k_cache.data_ptr();
   a.kind = scalar_kind(k_cache);
   a.s_blk = k_cache.stride(0); a.s_head = k_cache.stride(1); a.s_tok = k_cache.stride(2); a.s_dim = k_cache.stride(3);
-  a.d = k_cache.size(3); a.block_size = k_cache.size(2);
-  a.block_table = bt.data_ptr<int64_t>(); a.bt_stride = bt.stride(0);
-  a.lengths = len.data_ptr<int64_t>();
-  a.q = queries.data_ptr(); a.q_s_t = queries.stride(0); a.q_s_h = queries.stride(1); a.q_s_d = queries.stride(2);
-  a.query_start_loc = qsl.data_ptr<int64_t>(); a.query_pos = qpos.data_ptr<int64_t>();
+  a.d = k_cache.size(3); a.page_size = k_cache.size(2);
+  a.block_table = index_of(block_table, "block_table", dev);
+  a.bt_s_r = block_table.stride(0); a.bt_s_p = block_table.stride(1);
+  a.lengths = index_of(lengths, "lengths", dev);
+  a.len_s = lengths.stride(0);
+  a.q = queries.data_ptr();
+  a.q_s_r = queries.stride(0); a.q_s_w = queries.stride(1); a.q_s_h = queries.stride(2); a.q_s_d = queries.stride(3);
+  a.query_pos = index_of(query_positions, "query_positions", dev);
+  a.qp_s_r = query_positions.stride(0); a.qp_s_w = query_positions.stride(1);
+  torch::Tensor g;  // keeps a converted gain alive until the launches are queued
   if (gain.has_value()) {
-    g = gain->to(dev, torch::kFloat32).contiguous();
+    TORCH_CHECK(gain->dim() == 2 && gain->size(0) == rows && gain->size(1) == w, "gain must be None or [R, W] = [",
+                rows, ", ", w, "], got ", gain->sizes());
+    g = gain->to(dev, torch::kFloat32);  // the same tensor (no copy) when already fp32 on the device
     a.gain = g.data_ptr<float>();
+    a.g_s_r = g.stride(0); a.g_s_w = g.stride(1);
   }
-  if (positions.has_value()) {
-    TORCH_CHECK(positions->scalar_type() == torch::kInt32, "positions must be int32");
-    pos = *positions;
-    a.pos = pos.data_ptr<int32_t>(); a.p_blk = pos.stride(0); a.p_head = pos.stride(1); a.p_tok = pos.stride(2);
-  }
+  a.pos = positions.data_ptr<int32_t>();
+  a.p_blk = positions.stride(0); a.p_head = positions.stride(1); a.p_tok = positions.stride(2);
   a.scale = static_cast<float>(scale);
-  a.num_requests = n_req; a.h_kv = h_kv; a.group = h_q / h_kv; a.max_len = max_len;
-  const int64_t n_tiles = (max_len + vllm_evict::kWindowTile - 1) / vllm_evict::kWindowTile;
-  auto part_m = torch::full({t, h_q, n_tiles}, -INFINITY, f32);
-  auto part_l = torch::zeros({t, h_q, n_tiles}, f32);
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_cuda(vllm_evict::launch_window_partials(a, part_m.data_ptr<float>(), part_l.data_ptr<float>(), n_tiles, stream),
-             "window partials");
-  // Combine the per-tile (max, sum) pairs into each row's base-2 log-sum-exp; -inf for empty rows.
-  auto m = std::get<0>(part_m.max(-1, true));
-  auto m_safe = torch::where(torch::isinf(m), torch::zeros_like(m), m);
-  auto l = (part_l * torch::exp2(part_m - m_safe)).sum(-1, true);
-  auto lse = torch::where(l > 0, m_safe + torch::log2(l), torch::full_like(l, -INFINITY)).squeeze(-1).contiguous();
-  check_cuda(vllm_evict::launch_window_colsums(a, lse.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
-                                               out.stride(1), stream),
-             "window column sums");
+  a.rows = rows; a.h_kv = h_kv; a.group = h_q / h_kv; a.w = w; a.width = width;
+  auto out = torch::empty({rows, h_kv, width}, f32);  // every element is written by the kernels
+  auto scratch = torch::empty({vllm_evict::window_scratch_floats(a)}, f32);
+  check_cuda(vllm_evict::launch_window_mass(a, scratch.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
+                                            out.stride(1), c10::cuda::getCurrentCUDAStream().stream()),
+             "window mass");
   return out;
 }
 
@@ -107,10 +133,9 @@ torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vllm-evict CUDA kernels: in-place paged compaction and observation-window attention mass";
-  m.def("compact_", &compact_, "in-place per-head compaction of one paged view",
+  m.def("compact_", &compact_, "in-place per-head compaction of one paged view (paged.compact_tokens)",
         py::arg("cache"), py::arg("block_table"), py::arg("keep"), py::arg("counts"));
-  m.def("window_mass", &window_mass, "observation-window attention mass (summed over the GQA group)",
-        py::arg("k_cache"), py::arg("block_table"), py::arg("lengths"), py::arg("queries"),
-        py::arg("query_start_loc"), py::arg("query_positions"), py::arg("scale"), py::arg("positions"),
-        py::arg("gain"), py::arg("max_len"));
+  m.def("window_mass", &window_mass, "observation-window attention mass summed over the GQA group "
+        "(paged.window_mass)", py::arg("k_cache"), py::arg("block_table"), py::arg("lengths"), py::arg("queries"),
+        py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"));
 }

@@ -18,33 +18,38 @@ constexpr int kCompactTile = kCompactThreads * kCompactPerThread;  // elements p
 constexpr int kWindowThreads = 256;
 constexpr int kWarps = kWindowThreads / 32;
 constexpr int kKeysPerLane = kWindowTile / 32;
+constexpr int kLseThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ int64_t slot_offset(const int64_t* bt_row, int64_t slot, int64_t block_size,
-                                               int64_t s_blk, int64_t s_tok) {
-  return bt_row[slot / block_size] * s_blk + (slot % block_size) * s_tok;
+// One branch on a flag that is the same for every thread: cheaper than a conversion kernel per call.
+__device__ __forceinline__ int64_t load_index(const Index& ix, int64_t offset) {
+  return ix.wide ? static_cast<const int64_t*>(ix.data)[offset] : static_cast<const int32_t*>(ix.data)[offset];
+}
+
+// Element offset of logical slot `slot` of the row whose block-table row starts at `bt_row`.
+__device__ __forceinline__ int64_t slot_offset(const Index& bt, int64_t bt_row, int64_t bt_s_p, int64_t slot,
+                                               int64_t page_size, int64_t s_blk, int64_t s_tok) {
+  return load_index(bt, bt_row + (slot / page_size) * bt_s_p) * s_blk + (slot % page_size) * s_tok;
 }
 
 // ---- compaction -----------------------------------------------------------------------------------
-// One CTA per (request, head, column chunk). Tiles of rows are processed in ascending order; each
-// tile is loaded completely into registers, then __syncthreads(), then stored. keep is ascending, so
-// keep[j] >= j: a tile [t0, t1) reads only slots >= t0, never a slot an earlier tile wrote (< t0),
-// and every earlier tile finished its loads before the barrier that precedes this tile's stores.
+// One CTA per (row, head, column chunk). Tiles of slots are processed in ascending order; each tile is
+// loaded completely into registers, then __syncthreads(), then stored. keep is ascending, so
+// keep[j] >= j: a tile [t0, t1) reads only slots >= t0, never a slot an earlier tile wrote (< t0), and
+// every earlier tile finished its loads before the barrier that precedes this tile's stores.
 // Raw element copies (T is an unsigned integer of the element's size): bit-exact for any dtype.
 template <typename T>
-__global__ void compact_kernel(T* __restrict__ cache, const int64_t* __restrict__ block_table, int64_t bt_stride,
-                               const int64_t* __restrict__ keep, int64_t keep_s_r, int64_t keep_s_h,
-                               const int64_t* __restrict__ counts, int64_t block_size, int64_t s_blk,
-                               int64_t s_head, int64_t s_tok, int64_t s_dim, int64_t d, int64_t col_chunk) {
+__global__ void compact_kernel(CompactArgs a, int64_t col_chunk) {
   const int64_t r = blockIdx.x;
   const int64_t h = blockIdx.y;
   const int64_t c0 = static_cast<int64_t>(blockIdx.z) * col_chunk;
-  const int64_t cols = d - c0 < col_chunk ? d - c0 : col_chunk;
-  const int64_t b = counts[r];
+  const int64_t cols = a.d - c0 < col_chunk ? a.d - c0 : col_chunk;
+  const int64_t count = load_index(a.counts, r * a.counts_s);
+  const int64_t b = count < a.b_max ? count : a.b_max;  // columns past b_max do not exist
   const int64_t rows_per_tile = kCompactTile / cols > 0 ? kCompactTile / cols : 1;
-  const int64_t* bt_row = block_table + r * bt_stride;
-  const int64_t* keep_row = keep + r * keep_s_r + h * keep_s_h;
-  T* base = cache + h * s_head;
+  const int64_t bt_row = r * a.bt_s_r;
+  const int64_t keep_row = r * a.keep_s_r + h * a.keep_s_h;
+  T* base = static_cast<T*>(a.cache) + h * a.s_head;
   T reg[kCompactPerThread];
   int64_t dst[kCompactPerThread];
   for (int64_t t0 = 0; t0 < b; t0 += rows_per_tile) {
@@ -55,11 +60,11 @@ __global__ void compact_kernel(T* __restrict__ cache, const int64_t* __restrict_
       const int64_t j = t0 + row;
       dst[k] = -1;
       if (row < rows_per_tile && j < b) {
-        const int64_t src = keep_row[j];
+        const int64_t src = load_index(a.keep, keep_row + j * a.keep_s_b);
         if (src != j) {
-          const int64_t col = (c0 + e % cols) * s_dim;
-          reg[k] = base[slot_offset(bt_row, src, block_size, s_blk, s_tok) + col];
-          dst[k] = slot_offset(bt_row, j, block_size, s_blk, s_tok) + col;
+          const int64_t col = (c0 + e % cols) * a.s_dim;
+          reg[k] = base[slot_offset(a.block_table, bt_row, a.bt_s_p, src, a.page_size, a.s_blk, a.s_tok) + col];
+          dst[k] = slot_offset(a.block_table, bt_row, a.bt_s_p, j, a.page_size, a.s_blk, a.s_tok) + col;
         }
       }
     }
@@ -72,15 +77,11 @@ __global__ void compact_kernel(T* __restrict__ cache, const int64_t* __restrict_
 }
 
 template <typename T>
-cudaError_t compact_typed(void* cache, const int64_t* bt, int64_t bt_stride, const int64_t* keep, int64_t keep_s_r,
-                          int64_t keep_s_h, const int64_t* counts, int64_t n_req, int64_t n_heads, int64_t block_size,
-                          int64_t s_blk, int64_t s_head, int64_t s_tok, int64_t s_dim, int64_t d, cudaStream_t stream) {
-  const int64_t col_chunk = d < kCompactTile ? d : kCompactTile;
-  dim3 grid(static_cast<unsigned>(n_req), static_cast<unsigned>(n_heads),
-            static_cast<unsigned>((d + col_chunk - 1) / col_chunk));
-  compact_kernel<T><<<grid, kCompactThreads, 0, stream>>>(static_cast<T*>(cache), bt, bt_stride, keep, keep_s_r,
-                                                          keep_s_h, counts, block_size, s_blk, s_head, s_tok,
-                                                          s_dim, d, col_chunk);
+cudaError_t compact_typed(const CompactArgs& a, cudaStream_t stream) {
+  const int64_t col_chunk = a.d < kCompactTile ? a.d : kCompactTile;
+  dim3 grid(static_cast<unsigned>(a.rows), static_cast<unsigned>(a.heads),
+            static_cast<unsigned>((a.d + col_chunk - 1) / col_chunk));
+  compact_kernel<T><<<grid, kCompactThreads, 0, stream>>>(a, col_chunk);
   return cudaGetLastError();
 }
 
@@ -98,13 +99,22 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+__device__ __forceinline__ int64_t row_length(const WindowArgs& a, int64_t r) {
+  const int64_t n = load_index(a.lengths, r * a.len_s);
+  return n < a.width ? n : a.width;  // never address a slot outside [0, width)
+}
+
+__device__ __forceinline__ int64_t query_position(const WindowArgs& a, int64_t r, int64_t e) {
+  return load_index(a.query_pos, r * a.qp_s_r + e * a.qp_s_w);
+}
+
 // Loads the tile's keys (fp32, padded rows: conflict-free column reads) and their positions.
 // Shared layout: keys [kWindowTile][d + 1], then the query rows [kWarps][d].
 template <typename T>
 __device__ void load_key_tile(const WindowArgs& a, int64_t r, int64_t h, int64_t n0, int64_t length, float* ks,
                               int64_t* kpos) {
   const T* k = static_cast<const T*>(a.k);
-  const int64_t* bt_row = a.block_table + r * a.bt_stride;
+  const int64_t bt_row = r * a.bt_s_r;
   const int64_t ld = a.d + 1;
   for (int64_t idx = threadIdx.x; idx < kWindowTile * a.d; idx += blockDim.x) {
     const int64_t key = idx / a.d;
@@ -112,30 +122,31 @@ __device__ void load_key_tile(const WindowArgs& a, int64_t r, int64_t h, int64_t
     const int64_t slot = n0 + key;
     float x = 0.f;
     if (slot < length) {
-      x = to_float(k[slot_offset(bt_row, slot, a.block_size, a.s_blk, a.s_tok) + h * a.s_head + dd * a.s_dim]);
+      x = to_float(k[slot_offset(a.block_table, bt_row, a.bt_s_p, slot, a.page_size, a.s_blk, a.s_tok) +
+                     h * a.s_head + dd * a.s_dim]);
     }
     ks[key * ld + dd] = x;
   }
   for (int64_t key = threadIdx.x; key < kWindowTile; key += blockDim.x) {
     const int64_t slot = n0 + key;
-    int64_t p = slot;
-    if (a.pos != nullptr && slot < length) {
-      p = a.pos[slot_offset(bt_row, slot, a.block_size, a.p_blk, a.p_tok) + h * a.p_head];
+    int64_t p = INT64_MAX;  // padding: never visible
+    if (slot < length) {
+      p = a.pos[slot_offset(a.block_table, bt_row, a.bt_s_p, slot, a.page_size, a.p_blk, a.p_tok) + h * a.p_head];
     }
-    kpos[key] = slot < length ? p : INT64_MAX;  // never visible
+    kpos[key] = p;
   }
 }
 
-// The base-2 logits of one window row against this lane's keys; -inf where not visible.
+// The base-2 logits of window entry e of query head hq of row r against this lane's keys; -inf where
+// not visible. The whole warp calls it for one entry.
 template <typename T>
-__device__ void row_logits(const WindowArgs& a, int64_t tok, int64_t hq, const float* ks, const int64_t* kpos,
-                           float* qrow, float (&s)[kKeysPerLane]) {
-  const T* q = static_cast<const T*>(a.q);
+__device__ void row_logits(const WindowArgs& a, int64_t r, int64_t e, int64_t hq, int64_t qpos, const float* ks,
+                           const int64_t* kpos, float* qrow, float (&s)[kKeysPerLane]) {
+  const T* q = static_cast<const T*>(a.q) + r * a.q_s_r + e * a.q_s_w + hq * a.q_s_h;
   const int lane = threadIdx.x & 31;
-  for (int64_t dd = lane; dd < a.d; dd += 32) qrow[dd] = to_float(q[tok * a.q_s_t + hq * a.q_s_h + dd * a.q_s_d]);
+  for (int64_t dd = lane; dd < a.d; dd += 32) qrow[dd] = to_float(q[dd * a.q_s_d]);
   __syncwarp();
-  const float coef = a.scale * kLog2e * (a.gain != nullptr ? a.gain[tok] : 1.f);
-  const int64_t qpos = a.query_pos[tok];
+  const float coef = a.scale * kLog2e * (a.gain != nullptr ? a.gain[r * a.g_s_r + e * a.g_s_w] : 1.f);
   const int64_t ld = a.d + 1;
 #pragma unroll
   for (int j = 0; j < kKeysPerLane; ++j) {
@@ -147,43 +158,71 @@ __device__ void row_logits(const WindowArgs& a, int64_t tok, int64_t hq, const f
   __syncwarp();
 }
 
+// Scratch layout: part_m and part_l [R, W, H_q, n_tiles], then lse [R, W, H_q].
+__host__ __device__ __forceinline__ int64_t n_tiles_of(const WindowArgs& a) {
+  return (a.width + kWindowTile - 1) / kWindowTile;
+}
+
 template <typename T>
-__global__ void window_partials_kernel(WindowArgs a, float* __restrict__ part_m, float* __restrict__ part_l,
-                                       int64_t n_tiles) {
+__global__ void window_partials_kernel(WindowArgs a, float* __restrict__ part_m, float* __restrict__ part_l) {
   extern __shared__ float smem[];
   __shared__ int64_t kpos[kWindowTile];
   const int64_t r = blockIdx.x, h = blockIdx.y, tile = blockIdx.z;
-  const int64_t length = a.lengths[r];
+  const int64_t length = row_length(a, r);
   const int64_t n0 = tile * kWindowTile;
-  if (n0 >= length) return;  // uniform over the CTA; the combine step ignores untouched tiles
+  if (n0 >= length) return;  // uniform over the CTA; the LSE kernel reads only the row's tiles
   float* ks = smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* qrow = smem + kWindowTile * (a.d + 1) + warp * a.d;
   load_key_tile<T>(a, r, h, n0, length, ks, kpos);
   __syncthreads();
-  const int64_t q0 = a.query_start_loc[r];
-  const int64_t w = a.query_start_loc[r + 1] - q0;
-  for (int64_t ri = warp; ri < a.group * w; ri += kWarps) {
-    const int64_t hq = h * a.group + ri / w;
-    const int64_t tok = q0 + ri % w;
-    float s[kKeysPerLane];
-    row_logits<T>(a, tok, hq, ks, kpos, qrow, s);
-    float m = -INFINITY;
+  const int64_t h_q = a.h_kv * a.group;
+  const int64_t n_tiles = n_tiles_of(a);
+  for (int64_t ri = warp; ri < a.group * a.w; ri += kWarps) {
+    const int64_t hq = h * a.group + ri / a.w;
+    const int64_t e = ri % a.w;
+    const int64_t qpos = query_position(a, r, e);
+    float m = -INFINITY, l = 0.f;
+    if (qpos >= 0) {  // an empty entry sees nothing: skip its logits (uniform over the warp)
+      float s[kKeysPerLane];
+      row_logits<T>(a, r, e, hq, qpos, ks, kpos, qrow, s);
 #pragma unroll
-    for (int j = 0; j < kKeysPerLane; ++j) m = fmaxf(m, s[j]);
-    m = warp_max(m);
-    float l = 0.f;
-    if (m != -INFINITY) {
+      for (int j = 0; j < kKeysPerLane; ++j) m = fmaxf(m, s[j]);
+      m = warp_max(m);
+      if (m != -INFINITY) {
 #pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) l += exp2f(s[j] - m);
+        for (int j = 0; j < kKeysPerLane; ++j) l += exp2f(s[j] - m);
+      }
+      l = warp_sum(l);
     }
-    l = warp_sum(l);
     if (lane == 0) {
-      const int64_t at = (tok * a.h_kv * a.group + hq) * n_tiles + tile;
+      const int64_t at = ((r * a.w + e) * h_q + hq) * n_tiles + tile;
       part_m[at] = m;
       part_l[at] = l;
     }
   }
+}
+
+// One thread per (row, window entry, query head): combines the row's tiles into a base-2 LSE.
+__global__ void window_lse_kernel(WindowArgs a, const float* __restrict__ part_m, const float* __restrict__ part_l,
+                                  float* __restrict__ lse) {
+  const int64_t h_q = a.h_kv * a.group;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= a.rows * a.w * h_q) return;
+  const int64_t r = idx / (a.w * h_q);
+  const int64_t n_tiles = n_tiles_of(a);
+  const int64_t tiles = (row_length(a, r) + kWindowTile - 1) / kWindowTile;  // the tiles pass 1 wrote
+  const float* pm = part_m + idx * n_tiles;
+  const float* pl = part_l + idx * n_tiles;
+  float m = -INFINITY;
+  for (int64_t t = 0; t < tiles; ++t) m = fmaxf(m, pm[t]);
+  if (m == -INFINITY) {
+    lse[idx] = -INFINITY;  // sees no key: contributes nothing
+    return;
+  }
+  float l = 0.f;
+  for (int64_t t = 0; t < tiles; ++t) l += pl[t] * exp2f(pm[t] - m);
+  lse[idx] = m + log2f(l);
 }
 
 template <typename T>
@@ -193,30 +232,33 @@ __global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ ls
   __shared__ int64_t kpos[kWindowTile];
   __shared__ float red[kWarps][kWindowTile];
   const int64_t r = blockIdx.x, h = blockIdx.y, tile = blockIdx.z;
-  const int64_t length = a.lengths[r];
+  const int64_t length = row_length(a, r);
   const int64_t n0 = tile * kWindowTile;
-  if (n0 >= length) return;
+  float* out_row = out + r * out_s_r + h * out_s_h;
+  if (n0 >= length) {  // a tile of padding: the zeros the result was not filled with
+    for (int64_t key = threadIdx.x; key < kWindowTile; key += blockDim.x) {
+      if (n0 + key < a.width) out_row[n0 + key] = 0.f;
+    }
+    return;
+  }
   float* ks = smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* qrow = smem + kWindowTile * (a.d + 1) + warp * a.d;
   load_key_tile<T>(a, r, h, n0, length, ks, kpos);
   __syncthreads();
-  const int64_t q0 = a.query_start_loc[r];
-  const int64_t w = a.query_start_loc[r + 1] - q0;
   const int64_t h_q = a.h_kv * a.group;
   float acc[kKeysPerLane];
 #pragma unroll
   for (int j = 0; j < kKeysPerLane; ++j) acc[j] = 0.f;
-  for (int64_t ri = warp; ri < a.group * w; ri += kWarps) {
-    const int64_t hq = h * a.group + ri / w;
-    const int64_t tok = q0 + ri % w;
-    const float row_lse = lse[tok * h_q + hq];
+  for (int64_t ri = warp; ri < a.group * a.w; ri += kWarps) {
+    const int64_t hq = h * a.group + ri / a.w;
+    const int64_t e = ri % a.w;
+    const float row_lse = lse[(r * a.w + e) * h_q + hq];
+    if (row_lse == -INFINITY) continue;  // empty entry or no visible key (uniform over the warp)
     float s[kKeysPerLane];
-    row_logits<T>(a, tok, hq, ks, kpos, qrow, s);
-    if (row_lse != -INFINITY) {
+    row_logits<T>(a, r, e, hq, query_position(a, r, e), ks, kpos, qrow, s);
 #pragma unroll
-      for (int j = 0; j < kKeysPerLane; ++j) acc[j] += s[j] == -INFINITY ? 0.f : exp2f(s[j] - row_lse);
-    }
+    for (int j = 0; j < kKeysPerLane; ++j) acc[j] += s[j] == -INFINITY ? 0.f : exp2f(s[j] - row_lse);
   }
 #pragma unroll
   for (int j = 0; j < kKeysPerLane; ++j) red[warp][lane + 32 * j] = acc[j];
@@ -224,7 +266,7 @@ __global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ ls
   for (int key = threadIdx.x; key < kWindowTile; key += blockDim.x) {
     float total = 0.f;
     for (int wi = 0; wi < kWarps; ++wi) total += red[wi][key];
-    if (n0 + key < length) out[r * out_s_r + h * out_s_h + n0 + key] = total;
+    if (n0 + key < a.width) out_row[n0 + key] = total;  // 0 on padding slots (kpos: never visible)
   }
 }
 
@@ -232,8 +274,8 @@ size_t window_smem(const WindowArgs& a) {
   return sizeof(float) * (kWindowTile * (a.d + 1) + kWarps * a.d);
 }
 
-template <typename T, typename Kernel>
-cudaError_t prepare(Kernel kernel, size_t smem) {
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
   if (smem > 48 * 1024) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   }
@@ -241,69 +283,54 @@ cudaError_t prepare(Kernel kernel, size_t smem) {
 }
 
 template <typename T>
-cudaError_t partials_typed(const WindowArgs& a, float* part_m, float* part_l, int64_t n_tiles, cudaStream_t stream) {
+cudaError_t window_mass_typed(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
+                              cudaStream_t stream) {
   const size_t smem = window_smem(a);
-  cudaError_t err = prepare<T>(window_partials_kernel<T>, smem);
+  cudaError_t err = allow_smem(window_partials_kernel<T>, smem);
+  if (err == cudaSuccess) err = allow_smem(window_colsums_kernel<T>, smem);
   if (err != cudaSuccess) return err;
-  dim3 grid(static_cast<unsigned>(a.num_requests), static_cast<unsigned>(a.h_kv), static_cast<unsigned>(n_tiles));
-  window_partials_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, part_m, part_l, n_tiles);
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t colsums_typed(const WindowArgs& a, const float* lse, float* out, int64_t out_s_r, int64_t out_s_h,
-                          cudaStream_t stream) {
-  const size_t smem = window_smem(a);
-  cudaError_t err = prepare<T>(window_colsums_kernel<T>, smem);
+  const int64_t n_tiles = n_tiles_of(a);
+  const int64_t entries = a.rows * a.w * a.h_kv * a.group;
+  float* part_m = scratch;
+  float* part_l = scratch + entries * n_tiles;
+  float* lse = scratch + 2 * entries * n_tiles;
+  const dim3 grid(static_cast<unsigned>(a.rows), static_cast<unsigned>(a.h_kv), static_cast<unsigned>(n_tiles));
+  window_partials_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, part_m, part_l);
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const int64_t n_tiles = (a.max_len + kWindowTile - 1) / kWindowTile;
-  dim3 grid(static_cast<unsigned>(a.num_requests), static_cast<unsigned>(a.h_kv), static_cast<unsigned>(n_tiles));
+  const unsigned lse_blocks = static_cast<unsigned>((entries + kLseThreads - 1) / kLseThreads);
+  window_lse_kernel<<<lse_blocks, kLseThreads, 0, stream>>>(a, part_m, part_l, lse);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   window_colsums_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, lse, out, out_s_r, out_s_h);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-int launch_compact(void* cache, int elem_size, const int64_t* block_table, int64_t bt_stride, const int64_t* keep,
-                   int64_t keep_s_r, int64_t keep_s_h, const int64_t* counts, int64_t num_requests,
-                   int64_t num_heads, int64_t block_size, int64_t s_blk, int64_t s_head, int64_t s_tok,
-                   int64_t s_dim, int64_t d, void* stream) {
+int launch_compact(const CompactArgs& a, void* stream) {
   auto st = static_cast<cudaStream_t>(stream);
-  switch (elem_size) {
-    case 1:
-      return compact_typed<uint8_t>(cache, block_table, bt_stride, keep, keep_s_r, keep_s_h, counts, num_requests,
-                                    num_heads, block_size, s_blk, s_head, s_tok, s_dim, d, st);
-    case 2:
-      return compact_typed<uint16_t>(cache, block_table, bt_stride, keep, keep_s_r, keep_s_h, counts, num_requests,
-                                     num_heads, block_size, s_blk, s_head, s_tok, s_dim, d, st);
-    case 4:
-      return compact_typed<uint32_t>(cache, block_table, bt_stride, keep, keep_s_r, keep_s_h, counts, num_requests,
-                                     num_heads, block_size, s_blk, s_head, s_tok, s_dim, d, st);
-    case 8:
-      return compact_typed<uint64_t>(cache, block_table, bt_stride, keep, keep_s_r, keep_s_h, counts, num_requests,
-                                     num_heads, block_size, s_blk, s_head, s_tok, s_dim, d, st);
-    default:
-      return static_cast<int>(cudaErrorInvalidValue);
-  }
-}
-
-int launch_window_partials(const WindowArgs& a, float* part_m, float* part_l, int64_t n_tiles, void* stream) {
-  auto st = static_cast<cudaStream_t>(stream);
-  switch (a.kind) {
-    case kFloat32: return partials_typed<float>(a, part_m, part_l, n_tiles, st);
-    case kFloat16: return partials_typed<__half>(a, part_m, part_l, n_tiles, st);
-    case kBFloat16: return partials_typed<__nv_bfloat16>(a, part_m, part_l, n_tiles, st);
+  if (a.rows == 0 || a.heads == 0 || a.b_max == 0 || a.d == 0) return static_cast<int>(cudaSuccess);
+  switch (a.elem_size) {
+    case 1: return compact_typed<uint8_t>(a, st);
+    case 2: return compact_typed<uint16_t>(a, st);
+    case 4: return compact_typed<uint32_t>(a, st);
+    case 8: return compact_typed<uint64_t>(a, st);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }
 
-int launch_window_colsums(const WindowArgs& a, const float* lse, float* out, int64_t out_s_r, int64_t out_s_h,
-                          void* stream) {
+int64_t window_scratch_floats(const WindowArgs& a) {
+  return a.rows * a.w * a.h_kv * a.group * (2 * n_tiles_of(a) + 1);
+}
+
+int launch_window_mass(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
+                       void* stream) {
   auto st = static_cast<cudaStream_t>(stream);
   switch (a.kind) {
-    case kFloat32: return colsums_typed<float>(a, lse, out, out_s_r, out_s_h, st);
-    case kFloat16: return colsums_typed<__half>(a, lse, out, out_s_r, out_s_h, st);
-    case kBFloat16: return colsums_typed<__nv_bfloat16>(a, lse, out, out_s_r, out_s_h, st);
+    case kFloat32: return window_mass_typed<float>(a, scratch, out, out_s_r, out_s_h, st);
+    case kFloat16: return window_mass_typed<__half>(a, scratch, out, out_s_r, out_s_h, st);
+    case kBFloat16: return window_mass_typed<__nv_bfloat16>(a, scratch, out, out_s_r, out_s_h, st);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

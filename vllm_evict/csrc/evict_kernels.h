@@ -1,5 +1,9 @@
 // Launchers of the CUDA eviction kernels (evict_kernels.cu). Plain C++ types only: this header is
 // shared by the kernel file, which includes no torch header, and by the torch binding (binding.cpp).
+//
+// Every tensor is passed as a pointer plus its strides, and index tensors (block tables, lengths,
+// counts, keep lists, query positions) as they are stored, int32 or int64: the binding never
+// converts or copies an argument, so a call costs its kernels and its output allocations.
 #pragma once
 
 #include <cstdint>
@@ -8,42 +12,65 @@ namespace vllm_evict {
 
 enum ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// In-place per-head compaction of one paged view [num_blocks, H, block_size, d] (a state buffer is
-// a view with d = 1 and s_dim = 0). keep [R, H, >= counts[r]] int64, strictly ascending per head.
-// Returns a cudaError_t value (0 on success).
-int launch_compact(void* cache, int elem_size, const int64_t* block_table, int64_t bt_stride,
-                   const int64_t* keep, int64_t keep_s_r, int64_t keep_s_h, const int64_t* counts,
-                   int64_t num_requests, int64_t num_heads, int64_t block_size, int64_t s_blk,
-                   int64_t s_head, int64_t s_tok, int64_t s_dim, int64_t d, void* stream);
-
-struct WindowArgs {
-  const void* k;            // paged key view, element type `kind`
-  int kind;                 // ScalarKind of keys and queries (they must match)
-  int64_t s_blk, s_head, s_tok, s_dim, d, block_size;
-  const int64_t* block_table;
-  int64_t bt_stride;
-  const int64_t* lengths;   // [R] physical lengths
-  const void* q;            // [T, H_q, d] packed window queries
-  int64_t q_s_t, q_s_h, q_s_d;
-  const int64_t* query_start_loc;  // [R + 1]
-  const int64_t* query_pos;        // [T]
-  const float* gain;               // [T] or nullptr
-  const int32_t* pos;              // paged per-slot logical positions [nb, H_kv, bs] or nullptr (slot index)
-  int64_t p_blk, p_head, p_tok;
-  float scale;
-  int64_t num_requests, h_kv, group, max_len;
+// An integer tensor read in place: int64 elements when `wide`, else int32.
+struct Index {
+  const void* data;
+  bool wide;
 };
 
-// Keys per work tile of the window kernels (one CTA per (request, KV head, tile)).
+// In-place per-head compaction of one paged view [num_pages, H, page_size, d] (a per-token buffer is
+// a view with d = 1 and s_dim = 0): slot keep[r, h, j] moves to slot j for j < min(counts[r], b_max),
+// keep strictly ascending over those columns; later columns are never read.
+struct CompactArgs {
+  void* cache;
+  int elem_size;  // bytes per element: 1, 2, 4 or 8 (elements are copied as raw bits)
+  int64_t s_blk, s_head, s_tok, s_dim, d, page_size;
+  Index block_table;  // [R, pages]
+  int64_t bt_s_r, bt_s_p;
+  Index keep;  // [R, H, b_max]
+  int64_t keep_s_r, keep_s_h, keep_s_b, b_max;
+  Index counts;  // [R]
+  int64_t counts_s;
+  int64_t rows, heads;
+};
+
+// Returns a cudaError_t value (0 on success).
+int launch_compact(const CompactArgs& a, void* stream);
+
+// Observation-window attention mass of every row, summed over the GQA group: out [R, H_kv, width] fp32.
+struct WindowArgs {
+  const void* k;  // paged key view [num_pages, H_kv, page_size, d], element type `kind`
+  int kind;       // ScalarKind of keys and queries (they must match)
+  int64_t s_blk, s_head, s_tok, s_dim, d, page_size;
+  Index block_table;  // [R, pages]
+  int64_t bt_s_r, bt_s_p;
+  Index lengths;  // [R] slots in use per row (clamped to width)
+  int64_t len_s;
+  const void* q;  // [R, W, H_q, d] padded window queries
+  int64_t q_s_r, q_s_w, q_s_h, q_s_d;
+  Index query_pos;  // [R, W] logical positions, -1: empty entry (sees no key)
+  int64_t qp_s_r, qp_s_w;
+  const float* gain;  // [R, W] logit gain, or nullptr
+  int64_t g_s_r, g_s_w;
+  const int32_t* pos;  // [num_pages, H_kv, page_size] logical position of every slot
+  int64_t p_blk, p_head, p_tok;
+  float scale;
+  int64_t rows, h_kv, group, w, width;
+};
+
+// Keys per work tile of the window kernels (one CTA per (row, KV head, tile)).
 constexpr int kWindowTile = 64;
 
-// Pass 1: per (packed query row, query head, key tile) the base-2 max and sum of exp2 of the logits.
-// part_m / part_l: [T, H_q, n_tiles] fp32 with n_tiles = ceil(max_len / kWindowTile).
-int launch_window_partials(const WindowArgs& a, float* part_m, float* part_l, int64_t n_tiles, void* stream);
+// Scratch floats the three window kernels share: per-tile (max, sum) pairs and the log-sum-exp of
+// every (row, window entry, query head).
+int64_t window_scratch_floats(const WindowArgs& a);
 
-// Pass 2: column sums of exp2(logit - lse) over the window rows and the G query heads.
-// lse: [T, H_q] base-2 log-sum-exp (-inf for rows that see no key); out: [R, H_kv, max_len] fp32.
-int launch_window_colsums(const WindowArgs& a, const float* lse, float* out, int64_t out_s_r,
-                          int64_t out_s_h, void* stream);
+// Pass 1: per (row, KV head, key tile) the base-2 max and sum of exp2 of every window row's logits;
+// pass 2: each (row, entry, query head)'s log-sum-exp from its tiles; pass 3: per key tile the column
+// sums of exp2(logit - lse) over the window entries and the G query heads, zeros on padding slots.
+// Needs rows, w and width > 0. `scratch` holds window_scratch_floats(a) floats; `out` [R, H_kv, width] fp32 with the given strides
+// (every element written). Returns a cudaError_t value (0 on success).
+int launch_window_mass(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
+                       void* stream);
 
 }  // namespace vllm_evict

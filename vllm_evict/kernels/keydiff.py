@@ -1,9 +1,9 @@
-"""KeyDiff scores over the paged keys in two passes (policies/keydiff.py ``keydiff_scores``).
+"""KeyDiff scores over the paged keys in two passes (``dense.keydiff_scores``).
 
-Pass 1 (grid: request x KV head x chunk) sums the L2-normalised keys k̂ = k / max(||k||, 1e-6) of a
-chunk of slots into an fp32 partial; the partials are added in a fixed order (deterministic, no
-atomics) and divided by the request's length: the anchor μ per (request, KV head).
-Pass 2 (grid: request x KV head x key tile) writes −k̂ᵀμ for every slot.
+Pass 1 (grid: row x KV head x chunk of slots) sums the normalised keys k̂ = k / max(‖k‖, eps) of a
+chunk into an fp32 partial. Pass 2 (grid: row x KV head x slot tile) adds the row's partials in a fixed
+order (deterministic, no atomics), divides by the row's length (the anchor μ) and writes −k̂ᵀμ for
+every slot of the tile, -inf on padding slots up to ``width``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import as_view4, block_d, max_len_of, slot_offsets, table_2d
+from vllm_evict.dense import KEY_NORM_EPS
 
-EPS = 1e-6  # policies/keydiff.py EPS
+from ._common import block_d, check_index, slot_offsets, table_strides, view_strides
 
 
 @triton.jit
-def _normalised_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols, dmask,
-                     eps):
-    off = slot_offsets(bt_row, slots, block_size, s_blk, s_tok, nmask) + h.to(tl.int64) * s_head
+def _normalised_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols,
+                     dmask, eps):
+    off = slot_offsets(bt_row, bt_s_p, slots, block_size, s_blk, s_tok, nmask) + h.to(tl.int64) * s_head
     k = tl.load(k_ptr + off[:, None] + dcols.to(tl.int64)[None, :] * s_dim,
                 mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
     norm = tl.sqrt(tl.sum(k * k, axis=1))
@@ -29,69 +29,79 @@ def _normalised_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, 
 
 
 @triton.jit
-def _keydiff_sum_kernel(k_ptr, bt_ptr, bt_stride, len_ptr, part_ptr, pt_s_r, pt_s_h, pt_s_c,
-                        block_size, s_blk, s_head, s_tok, s_dim, D, chunk, eps,
+def _keydiff_sum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, part_ptr, pt_s_r, pt_s_h, pt_s_c,
+                        width, block_size, s_blk, s_head, s_tok, s_dim, D, chunk, eps,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
-    length = tl.load(len_ptr + r)
+    length = tl.minimum(tl.load(len_ptr + r.to(tl.int64) * len_s).to(tl.int64), width)
     dcols = tl.arange(0, BLOCK_D)
     dmask = dcols < D
-    bt_row = bt_ptr + r.to(tl.int64) * bt_stride
+    bt_row = bt_ptr + r.to(tl.int64) * bt_s_r
     acc = tl.zeros((BLOCK_D,), tl.float32)
     start = c * chunk
     stop = tl.minimum(start + chunk, length)
     for n0 in range(start, stop, BLOCK_N):
         slots = n0 + tl.arange(0, BLOCK_N)
         nmask = slots < stop
-        khat = _normalised_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
+        khat = _normalised_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
                                 dcols, dmask, eps)
         acc += tl.sum(khat, axis=0)
+    # Every chunk is written (zeros past the row's length): pass 2 adds them all without a mask.
     tl.store(part_ptr + r.to(tl.int64) * pt_s_r + h * pt_s_h + c * pt_s_c + dcols, acc, mask=dmask)
 
 
 @triton.jit
-def _keydiff_score_kernel(k_ptr, bt_ptr, bt_stride, len_ptr, mu_ptr, mu_s_r, mu_s_h, out_ptr, o_s_r, o_s_h,
-                          block_size, s_blk, s_head, s_tok, s_dim, D, eps,
+def _keydiff_score_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, part_ptr, pt_s_r, pt_s_h, pt_s_c,
+                          n_chunks, out_ptr, o_s_r, o_s_h, width, block_size, s_blk, s_head, s_tok, s_dim, D, eps,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    length = tl.load(len_ptr + r)
+    raw_length = tl.load(len_ptr + r.to(tl.int64) * len_s).to(tl.int64)
+    length = tl.minimum(raw_length, width)
     slots = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_row = out_ptr + r.to(tl.int64) * o_s_r + h.to(tl.int64) * o_s_h
+    score = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     if tl.program_id(2) * BLOCK_N < length:
         nmask = slots < length
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        bt_row = bt_ptr + r.to(tl.int64) * bt_stride
-        khat = _normalised_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
+        part_row = part_ptr + r.to(tl.int64) * pt_s_r + h * pt_s_h + dcols
+        mu = tl.zeros((BLOCK_D,), tl.float32)
+        for c in range(0, n_chunks):
+            mu += tl.load(part_row + c * pt_s_c, mask=dmask, other=0.0)
+        mu = mu / tl.maximum(raw_length, 1).to(tl.float32)
+        bt_row = bt_ptr + r.to(tl.int64) * bt_s_r
+        khat = _normalised_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
                                 dcols, dmask, eps)
-        mu = tl.load(mu_ptr + r.to(tl.int64) * mu_s_r + h * mu_s_h + dcols, mask=dmask, other=0.0)
-        score = -tl.sum(khat * mu[None, :], axis=1)
-        tl.store(out_ptr + r.to(tl.int64) * o_s_r + h * o_s_h + slots, score, mask=nmask)
+        score = tl.where(nmask, -tl.sum(khat * mu[None, :], axis=1), float("-inf"))
+    tl.store(out_row + slots, score, mask=slots < width)
 
 
-def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, max_len: int | None = None,
+def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int,
                    block_n: int = 64, chunk: int = 1024) -> Tensor:
-    """Triton version of ``paged.paged_keydiff_scores``: fp32 [R, H_kv, max_len], -inf padding."""
-    device = k_cache.device
-    bt = table_2d(block_table).to(device)
-    lengths = lengths.to(device=device, dtype=torch.int64)
-    n_req, h_kv = lengths.shape[0], k_cache.shape[1]
-    width = max_len_of(lengths, max_len)
-    out = torch.full((n_req, h_kv, width), float("-inf"), dtype=torch.float32, device=device)
-    if width == 0 or n_req == 0:
+    """Triton ``paged.keydiff_scores``: fp32 [R, H_kv, width], -inf on padding.
+
+    ``block_n``: slots per tile; ``chunk``: slots summed per program of pass 1 (tests shrink both to
+    exercise the multi-chunk reduction)."""
+    check_index("block_table", block_table)
+    check_index("lengths", lengths)
+    rows, h_kv = lengths.shape[0], k_cache.shape[1]
+    bt_s_r, bt_s_p = table_strides(block_table, rows)
+    out = torch.empty((rows, h_kv, width), dtype=torch.float32, device=k_cache.device)
+    if width == 0 or rows == 0:
         return out
-    s_blk, s_head, s_tok, s_dim, d = as_view4(k_cache)
+    s_blk, s_head, s_tok, s_dim, d = view_strides(k_cache)
     chunk = max(block_n, chunk // block_n * block_n)
     n_chunks = triton.cdiv(width, chunk)
-    part = torch.zeros((n_req, h_kv, n_chunks, d), dtype=torch.float32, device=device)
+    part = torch.empty((rows, h_kv, n_chunks, d), dtype=torch.float32, device=k_cache.device)
     bd = block_d(d)
-    _keydiff_sum_kernel[(n_req, h_kv, n_chunks)](
-        k_cache, bt, bt.stride(0), lengths, part, part.stride(0), part.stride(1), part.stride(2),
-        k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d, chunk, EPS, BLOCK_N=block_n, BLOCK_D=bd)
-    mu = part.sum(dim=2) / lengths.clamp_min(1).view(-1, 1, 1).float()
-    _keydiff_score_kernel[(n_req, h_kv, triton.cdiv(width, block_n))](
-        k_cache, bt, bt.stride(0), lengths, mu, mu.stride(0), mu.stride(1), out, out.stride(0), out.stride(1),
-        k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d, EPS, BLOCK_N=block_n, BLOCK_D=bd)
+    geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
+    _keydiff_sum_kernel[(rows, h_kv, n_chunks)](
+        k_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), part, *part.stride()[:3], width,
+        *geometry, chunk, KEY_NORM_EPS, BLOCK_N=block_n, BLOCK_D=bd)
+    _keydiff_score_kernel[(rows, h_kv, triton.cdiv(width, block_n))](
+        k_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), part, *part.stride()[:3], n_chunks,
+        out, out.stride(0), out.stride(1), width, *geometry, KEY_NORM_EPS, BLOCK_N=block_n, BLOCK_D=bd)
     return out

@@ -1,16 +1,19 @@
-"""Observation-window attention mass over the paged keys, GQA inside the kernel, in two passes.
+"""Observation-window attention mass over the paged keys, GQA inside the kernel, in two passes
+(``dense.window_mass`` / ``paged.window_mass``).
 
-Pass 1 (grid: request x query head x window-row tile) streams the request's keys page by page and
-keeps an online row max and sum of exponentials per window query: the row's log-sum-exp (base 2).
-Pass 2 (grid: request x KV head x key tile) loads one key tile once, recomputes the logits of every
-window query of the G query heads of that KV head, turns them into probabilities with the stored LSE
-and sums them over the window (and over the group): the column sums of
-``vllm_evict.policies.attention.attention_column_sums``.
+The window is padded per row: queries [R, W, H_q, d] with positions [R, W] (-1: empty entry, sees no
+key), W fixed per call, so every grid size is a host int and nothing synchronises.
 
-Causality compares logical positions: window query i sees slot j iff ``pos[j] <= qpos[i]``; ``pos``
-comes from a paged per-slot position buffer, or is the slot index when none is given. The logits are
-``gain_i * scale * q_i . k_j`` (``gain`` optional per packed query row: AhaKV). A row with no visible
-key contributes nothing. Logits are accumulated in fp32 (fp32 operands use IEEE products).
+Pass 1 (grid: row x query head x tile of window entries) streams the row's keys page by page and keeps
+an online max and sum of exponentials per window entry: the entry's log-sum-exp (base 2).
+Pass 2 (grid: row x KV head x key tile) loads one key tile once, recomputes the logits of every window
+entry of the G query heads of that KV head, turns them into probabilities with the stored LSE and sums
+them over the window (and over the group unless ``per_query_head``); tiles past the row's length
+write the zeros of the padding, so the result needs no fill.
+
+Causality compares logical positions: entry i sees slot j iff ``positions[j] <= query_positions[i]``.
+The logits are ``gain_i * scale * q_i . k_j`` (``gain`` [R, W] optional: AhaKV). An entry with no
+visible key contributes nothing. Logits accumulate in fp32 (fp32 operands use IEEE products).
 """
 
 from __future__ import annotations
@@ -20,118 +23,113 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import as_view4, block_d, dot_precision, max_len_of, needs_upcast, slot_offsets, table_2d
-
-LOG2E = 1.4426950408889634
+from ._common import (block_d, check_index, dot_precision, needs_upcast, slot_offsets, table_strides,
+                      view_strides)
 
 
 @triton.jit
-def _load_queries(q_ptr, q_start, rows, rmask, hq, qs_t, qs_h, qs_d, dcols, dmask,
-                  qpos_ptr, gain_ptr, scale, HAS_GAIN: tl.constexpr):
-    tok = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * qs_t + hq * qs_h + dcols[None, :] * qs_d,
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
-    qpos = tl.load(qpos_ptr + tok, mask=rmask, other=0)
-    coef = tl.zeros(rows.shape, tl.float32) + scale * 1.4426950408889634
+def _load_queries(q_row, qs_w, qs_h, qs_d, entries, emask, hq, dcols, dmask, qpos_row, qp_s_w, gain_row, g_s_w,
+                  scale, HAS_GAIN: tl.constexpr):
+    """Window entries ``entries`` of query head ``hq`` of one row: (q [BW, BD], positions, base-2 coefficient)."""
+    q = tl.load(q_row + entries.to(tl.int64)[:, None] * qs_w + hq.to(tl.int64) * qs_h
+                + dcols.to(tl.int64)[None, :] * qs_d, mask=emask[:, None] & dmask[None, :], other=0.0)
+    qpos = tl.load(qpos_row + entries.to(tl.int64) * qp_s_w, mask=emask, other=-1).to(tl.int64)
+    coef = tl.zeros(entries.shape, tl.float32) + scale * 1.4426950408889634
     if HAS_GAIN:
-        coef = coef * tl.load(gain_ptr + tok, mask=rmask, other=0.0).to(tl.float32)
+        coef = coef * tl.load(gain_row + entries.to(tl.int64) * g_s_w, mask=emask, other=0.0).to(tl.float32)
     return q, qpos, coef
 
 
 @triton.jit
-def _load_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols, dmask,
-               pos_ptr, p_blk, p_head, p_tok, HAS_POS: tl.constexpr):
-    off = slot_offsets(bt_row, slots, block_size, s_blk, s_tok, nmask) + h.to(tl.int64) * s_head
+def _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols, dmask,
+               pos_ptr, p_blk, p_head, p_tok):
+    off = slot_offsets(bt_row, bt_s_p, slots, block_size, s_blk, s_tok, nmask) + h.to(tl.int64) * s_head
     k = tl.load(k_ptr + off[:, None] + dcols.to(tl.int64)[None, :] * s_dim,
                 mask=nmask[:, None] & dmask[None, :], other=0.0)
-    if HAS_POS:
-        poff = slot_offsets(bt_row, slots, block_size, p_blk, p_tok, nmask) + h.to(tl.int64) * p_head
-        kpos = tl.load(pos_ptr + poff, mask=nmask, other=0).to(tl.int64)
-    else:
-        kpos = slots.to(tl.int64)
+    poff = slot_offsets(bt_row, bt_s_p, slots, block_size, p_blk, p_tok, nmask) + h.to(tl.int64) * p_head
+    kpos = tl.load(pos_ptr + poff, mask=nmask, other=0).to(tl.int64)
     return k, kpos
 
 
 @triton.jit
-def _window_lse_kernel(k_ptr, bt_ptr, bt_stride, len_ptr, q_ptr, qs_t, qs_h, qs_d, qsl_ptr, qpos_ptr,
-                       gain_ptr, pos_ptr, lse_ptr, lse_s_t, scale, group,
-                       block_size, s_blk, s_head, s_tok, s_dim, p_blk, p_head, p_tok, D,
-                       HAS_GAIN: tl.constexpr, HAS_POS: tl.constexpr, UPCAST: tl.constexpr,
-                       PREC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
+                       qpos_ptr, qp_s_r, qp_s_w, gain_ptr, g_s_r, g_s_w, pos_ptr, p_blk, p_head, p_tok,
+                       lse_ptr, lse_s_r, lse_s_w, W, width, scale, group,
+                       block_size, s_blk, s_head, s_tok, s_dim, D,
+                       HAS_GAIN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                       BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     hq = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + r)
-    w = tl.load(qsl_ptr + r + 1) - q_start
-    rows = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
-    if tl.program_id(2) * BLOCK_W < w:
-        rmask = rows < w
-        dcols = tl.arange(0, BLOCK_D)
-        dmask = dcols < D
-        q, qpos, coef = _load_queries(q_ptr, q_start, rows, rmask, hq, qs_t, qs_h, qs_d, dcols, dmask,
-                                      qpos_ptr, gain_ptr, scale, HAS_GAIN)
+    entries = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
+    emask = entries < W
+    dcols = tl.arange(0, BLOCK_D)
+    dmask = dcols < D
+    r64 = r.to(tl.int64)
+    q, qpos, coef = _load_queries(q_ptr + r64 * qs_r, qs_w, qs_h, qs_d, entries, emask, hq, dcols, dmask,
+                                  qpos_ptr + r64 * qp_s_r, qp_s_w, gain_ptr + r64 * g_s_r, g_s_w, scale, HAS_GAIN)
+    if UPCAST:
+        q = q.to(tl.float32)
+    h = hq // group
+    length = tl.minimum(tl.load(len_ptr + r64 * len_s).to(tl.int64), width)
+    bt_row = bt_ptr + r64 * bt_s_r
+    m = tl.full((BLOCK_W,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_W,), tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        slots = n0 + tl.arange(0, BLOCK_N)
+        nmask = slots < length
+        k, kpos = _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
+                             dcols, dmask, pos_ptr, p_blk, p_head, p_tok)
         if UPCAST:
-            q = q.to(tl.float32)
-        h = hq // group
-        length = tl.load(len_ptr + r)
-        bt_row = bt_ptr + r.to(tl.int64) * bt_stride
-        m = tl.full((BLOCK_W,), float("-inf"), tl.float32)
-        l = tl.zeros((BLOCK_W,), tl.float32)
-        for n0 in range(0, length, BLOCK_N):
-            slots = n0 + tl.arange(0, BLOCK_N)
-            nmask = slots < length
-            k, kpos = _load_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
-                                 dcols, dmask, pos_ptr, p_blk, p_head, p_tok, HAS_POS)
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * coef[:, None]
-            visible = nmask[None, :] & (kpos[None, :] <= qpos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
-            m = m_new
-        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        tl.store(lse_ptr + (q_start + rows).to(tl.int64) * lse_s_t + hq, lse, mask=rmask)
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * coef[:, None]
+        visible = nmask[None, :] & (kpos[None, :] <= qpos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
+        m = m_new
+    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    tl.store(lse_ptr + r64 * lse_s_r + entries.to(tl.int64) * lse_s_w + hq, lse, mask=emask)
 
 
 @triton.jit
-def _window_colsum_kernel(k_ptr, bt_ptr, bt_stride, len_ptr, q_ptr, qs_t, qs_h, qs_d, qsl_ptr, qpos_ptr,
-                          gain_ptr, pos_ptr, lse_ptr, lse_s_t, out_ptr, o_s_r, o_s_h, o_s_g, scale, group,
-                          block_size, s_blk, s_head, s_tok, s_dim, p_blk, p_head, p_tok, D,
-                          HAS_GAIN: tl.constexpr, HAS_POS: tl.constexpr, UPCAST: tl.constexpr,
-                          PREC: tl.constexpr, REDUCE: tl.constexpr, BLOCK_W: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
+                          qpos_ptr, qp_s_r, qp_s_w, gain_ptr, g_s_r, g_s_w, pos_ptr, p_blk, p_head, p_tok,
+                          lse_ptr, lse_s_r, lse_s_w, out_ptr, o_s_r, o_s_h, o_s_g, W, width, scale, group,
+                          block_size, s_blk, s_head, s_tok, s_dim, D,
+                          HAS_GAIN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr,
+                          BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    length = tl.load(len_ptr + r)
+    r64 = r.to(tl.int64)
+    length = tl.minimum(tl.load(len_ptr + r64 * len_s).to(tl.int64), width)
     slots = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    smask = slots < width
+    out_row = out_ptr + r64 * o_s_r + h.to(tl.int64) * o_s_h
     if tl.program_id(2) * BLOCK_N < length:
         nmask = slots < length
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        bt_row = bt_ptr + r.to(tl.int64) * bt_stride
-        k, kpos = _load_keys(k_ptr, bt_row, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
-                             dcols, dmask, pos_ptr, p_blk, p_head, p_tok, HAS_POS)
+        bt_row = bt_ptr + r64 * bt_s_r
+        k, kpos = _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
+                             dcols, dmask, pos_ptr, p_blk, p_head, p_tok)
         if UPCAST:
             k = k.to(tl.float32)
-        q_start = tl.load(qsl_ptr + r)
-        w = tl.load(qsl_ptr + r + 1) - q_start
-        out_row = out_ptr + r.to(tl.int64) * o_s_r + h * o_s_h
         total = tl.zeros((BLOCK_N,), tl.float32)
         for g in range(0, group):
             hq = h * group + g
             acc = tl.zeros((BLOCK_N,), tl.float32)
-            for w0 in range(0, w, BLOCK_W):
-                rows = w0 + tl.arange(0, BLOCK_W)
-                rmask = rows < w
-                q, qpos, coef = _load_queries(q_ptr, q_start, rows, rmask, hq, qs_t, qs_h, qs_d, dcols,
-                                              dmask, qpos_ptr, gain_ptr, scale, HAS_GAIN)
+            for w0 in range(0, W, BLOCK_W):
+                entries = w0 + tl.arange(0, BLOCK_W)
+                emask = entries < W
+                q, qpos, coef = _load_queries(q_ptr + r64 * qs_r, qs_w, qs_h, qs_d, entries, emask, hq, dcols,
+                                              dmask, qpos_ptr + r64 * qp_s_r, qp_s_w, gain_ptr + r64 * g_s_r,
+                                              g_s_w, scale, HAS_GAIN)
                 if UPCAST:
                     q = q.to(tl.float32)
-                lse = tl.load(lse_ptr + (q_start + rows).to(tl.int64) * lse_s_t + hq, mask=rmask,
+                lse = tl.load(lse_ptr + r64 * lse_s_r + entries.to(tl.int64) * lse_s_w + hq, mask=emask,
                               other=float("-inf"))
-                live = rmask & (lse != float("-inf"))
+                live = emask & (lse != float("-inf"))
                 lse = tl.where(live, lse, 0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * coef[:, None]
                 visible = live[:, None] & nmask[None, :] & (kpos[None, :] <= qpos[:, None])
@@ -140,54 +138,65 @@ def _window_colsum_kernel(k_ptr, bt_ptr, bt_stride, len_ptr, q_ptr, qs_t, qs_h, 
             if REDUCE:
                 total += acc
             else:
-                tl.store(out_row + g * o_s_g + slots, acc, mask=nmask)
+                tl.store(out_row + g * o_s_g + slots, acc, mask=smask)
         if REDUCE:
-            tl.store(out_row + slots, total, mask=nmask)
+            tl.store(out_row + slots, total, mask=smask)
+    else:  # a tile of padding: the zeros the result was not filled with
+        zeros = tl.zeros((BLOCK_N,), tl.float32)
+        if REDUCE:
+            tl.store(out_row + slots, zeros, mask=smask)
+        else:
+            for g in range(0, group):
+                tl.store(out_row + g * o_s_g + slots, zeros, mask=smask)
 
 
-def window_attention_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
-                          query_start_loc: Tensor, query_positions: Tensor, scale: float,
-                          positions: Tensor | None = None, gain: Tensor | None = None,
-                          reduce_group: bool = True, max_len: int | None = None,
-                          block_n: int = 64, block_w: int = 16) -> Tensor:
-    """Triton version of ``paged.paged_window_attention_mass`` (same arguments and result)."""
-    device = k_cache.device
-    bt = table_2d(block_table).to(device)
-    lengths = lengths.to(device=device, dtype=torch.int64)
-    qsl = query_start_loc.to(device=device, dtype=torch.int64)
-    qpos = query_positions.to(device=device, dtype=torch.int64)
-    n_req = lengths.shape[0]
-    h_kv = k_cache.shape[1]
-    t, h_q, d = queries.shape
+def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
+                scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
+                per_query_head: bool = False, block_n: int = 64, block_w: int = 16) -> Tensor:
+    """Triton ``paged.window_mass``: fp32 [R, H_kv, width] (summed over the GQA group) or
+    [R, H_kv, G, width] with ``per_query_head``.
+
+    k_cache [num_pages, H_kv, bs, d] view; block_table [R, pages]; lengths [R]; queries [R, W, H_q, d];
+    query_positions [R, W] (-1: empty entry); positions [num_pages, H_kv, bs] logical position of every
+    slot; gain None or fp32 [R, W]. Index tensors int32 or int64; any strides everywhere."""
+    for name, t in (("block_table", block_table), ("lengths", lengths), ("query_positions", query_positions),
+                    ("positions", positions)):
+        check_index(name, t)
+    rows, h_kv = lengths.shape[0], k_cache.shape[1]
+    if queries.dim() != 4 or queries.shape[0] != rows:
+        raise ValueError(f"queries must be [R, W, H_q, d] with R = {rows}, got shape {tuple(queries.shape)}")
+    w, h_q, d = queries.shape[1:]
+    if query_positions.shape != (rows, w):
+        raise ValueError(f"query_positions must be [R, W] = [{rows}, {w}], got shape {tuple(query_positions.shape)}")
+    if gain is not None and gain.shape != (rows, w):
+        raise ValueError(f"gain must be None or [R, W] = [{rows}, {w}], got shape {tuple(gain.shape)}")
     if h_q % h_kv:
         raise ValueError(f"{h_q} query heads do not form groups over {h_kv} KV heads")
+    if positions.dim() != 3 or positions.shape != k_cache.shape[:3]:
+        raise ValueError(f"positions must be [num_pages, H_kv, page_size] = {tuple(k_cache.shape[:3])}, "
+                         f"got shape {tuple(positions.shape)}")
     group = h_q // h_kv
-    width = max_len_of(lengths, max_len)
-    shape = (n_req, h_kv, width) if reduce_group else (n_req, h_kv, group, width)
-    out = torch.zeros(shape, dtype=torch.float32, device=device)
-    if width == 0 or t == 0 or n_req == 0:
-        return out
-    max_w = int((qsl[1:] - qsl[:-1]).max().item())
-    s_blk, s_head, s_tok, s_dim, _ = as_view4(k_cache)
-    if positions is not None:
-        p_blk, p_head, p_tok = positions.stride(0), positions.stride(1), positions.stride(2)
-    else:
-        p_blk = p_head = p_tok = 0
-    lse = torch.empty((t, h_q), dtype=torch.float32, device=device)
-    gain_t = gain.to(device=device, dtype=torch.float32).contiguous() if gain is not None else lse
+    bt_s_r, bt_s_p = table_strides(block_table, rows)
+    device = k_cache.device
+    shape = (rows, h_kv, group, width) if per_query_head else (rows, h_kv, width)
+    if width == 0 or rows == 0 or w == 0:  # no key or no query: no mass
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    s_blk, s_head, s_tok, s_dim, _ = view_strides(k_cache)
+    lse = torch.empty((rows, w, h_q), dtype=torch.float32, device=device)
+    gain_t, g_s_r, g_s_w = (gain, gain.stride(0), gain.stride(1)) if gain is not None else (lse, 0, 0)
     upcast = needs_upcast(queries, k_cache)
     prec = "ieee" if upcast else dot_precision(queries, k_cache)
-    common = dict(HAS_GAIN=gain is not None, HAS_POS=positions is not None, UPCAST=upcast, PREC=prec,
-                  BLOCK_W=block_w, BLOCK_N=block_n, BLOCK_D=block_d(d))
-    pos_arg = positions if positions is not None else lengths
-    _window_lse_kernel[(n_req, h_q, triton.cdiv(max_w, block_w))](
-        k_cache, bt, bt.stride(0), lengths, queries, *queries.stride(), qsl, qpos, gain_t, pos_arg,
-        lse, lse.stride(0), float(scale), group, k_cache.shape[2], s_blk, s_head, s_tok, s_dim,
-        p_blk, p_head, p_tok, d, **common)
-    o_s_g = out.stride(2) if not reduce_group else 0
-    _window_colsum_kernel[(n_req, h_kv, triton.cdiv(width, block_n))](
-        k_cache, bt, bt.stride(0), lengths, queries, *queries.stride(), qsl, qpos, gain_t, pos_arg,
-        lse, lse.stride(0), out, out.stride(0), out.stride(1), o_s_g, float(scale), group,
-        k_cache.shape[2], s_blk, s_head, s_tok, s_dim, p_blk, p_head, p_tok, d, REDUCE=reduce_group,
-        **common)
+    common = (k_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), queries, *queries.stride(),
+              query_positions, *query_positions.stride(), gain_t, g_s_r, g_s_w, positions, *positions.stride(),
+              lse, lse.stride(0), lse.stride(1))
+    geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
+    meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
+                BLOCK_D=block_d(d))
+    _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](
+        *common, w, width, float(scale), group, *geometry, **meta)
+    o_s_g = out.stride(2) if per_query_head else 0
+    _window_colsum_kernel[(rows, h_kv, triton.cdiv(width, block_n))](
+        *common, out, out.stride(0), out.stride(1), o_s_g, w, width, float(scale), group, *geometry,
+        REDUCE=not per_query_head, **meta)
     return out
