@@ -64,11 +64,12 @@ def compact_tokens(caches: list[Tensor], block_table: Tensor, keep: Tensor, coun
     rows, heads, b = keep.shape
     page_size = caches[0].shape[2]
     bt = block_table.long()
+    keep = keep.long()
     last_page = max(bt.shape[1] - 1, 0)
     columns = torch.arange(b, device=keep.device)
     live = columns.view(1, 1, b) < counts.view(-1, 1, 1)  # [R, 1, b]
     src = keep.clamp_max(bt.shape[1] * page_size - 1)
-    src_pages = bt.gather(1, (src // page_size).clamp_max(last_page).view(rows, -1)).view(rows, heads, b)
+    src_pages = bt.gather(1, (src // page_size).clamp_max(last_page).reshape(rows, -1)).view(rows, heads, b)
     src_offsets = src % page_size
     dst_pages = bt.gather(1, (columns // page_size).clamp_max(last_page).expand(rows, -1)).view(rows, 1, b)
     dst_pages = torch.where(live, dst_pages, torch.full_like(dst_pages, TRASH_PAGE))
