@@ -1,0 +1,76 @@
+"""The per-step path's cost does not grow with the batch: on a decode step where no request evicts,
+the operations the hooks dispatch per layer, and those the step builder dispatches once per step, are
+the same at batch 1 and at batch 16, and none of them waits for the device.
+
+Counted with a TorchDispatchMode around the real engine's hook and builder (tiny random Llama, CPU)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.engine.helpers import greedy, token_prompt
+
+pytestmark = pytest.mark.engine
+
+# aten ops that read a device value back to the host (a synchronisation on a GPU).
+SYNCS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "nonzero", "any", "all"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step_counts(engine: Any, batch: int) -> tuple[Counter, Counter]:
+    """Ops of one hooked layer and of the builder, on a decode step of ``batch`` requests that evicts nothing."""
+    runner = engine.runner
+    per_layer: list[tuple[int, Counter]] = []
+    per_step: list[tuple[int, Counter]] = []
+    original_layer, original_build = runner._evict_layer, runner.evict_builder.build
+
+    def counted_layer(index, layer, step, *args):
+        with OpCounter() as counter:
+            original_layer(index, layer, step, *args)
+        per_layer.append((step.num_tokens, counter.ops))
+
+    def counted_build(runner_, plan, num_scheduled):
+        with OpCounter() as counter:
+            built = original_build(runner_, plan, num_scheduled)
+        per_step.append((built.num_tokens, counter.ops))
+        return built
+
+    runner._evict_layer, runner.evict_builder.build = counted_layer, counted_build
+    try:
+        prompts = [token_prompt(20, offset=i) for i in range(batch)]
+        engine.llm.generate(prompts, greedy(6))
+    finally:
+        runner._evict_layer, runner.evict_builder.build = original_layer, original_build
+    # Decode steps of the whole batch: one token per request (the batch reaches them together).
+    layer_counts = [ops for tokens, ops in per_layer if tokens == batch]
+    step_counts = [ops for tokens, ops in per_step if tokens == batch]
+    assert layer_counts and step_counts, "no decode step of the whole batch was seen"
+    assert all(c == layer_counts[0] for c in layer_counts), "per-layer ops differ between decode steps"
+    return layer_counts[-1], step_counts[-1]
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "keydiff", "h2o", "criticalkv+snapkv", "ahakv"])
+def test_ops_per_layer_do_not_grow_with_the_batch(tiny_llama, engine_factory, spec):
+    # A budget above every length: the policy runs (records, and H2O/AhaKV update every step) but never evicts.
+    engine = engine_factory(tiny_llama, {"policy": spec, "budget": 1024}, max_num_seqs=16, max_num_batched_tokens=512)
+    layer_1, step_1 = decode_step_counts(engine, 1)
+    layer_16, step_16 = decode_step_counts(engine, 16)
+    assert layer_1 == layer_16, f"{spec}: ops per layer grow with the batch: {layer_1} vs {layer_16}"
+    assert step_1 == step_16, f"{spec}: ops per step grow with the batch: {step_1} vs {step_16}"
+    assert not SYNCS & (set(layer_16) | set(step_16)), f"{spec}: a host-device sync on the per-step path"
+    if spec in ("snapkv", "keydiff"):
+        # Recording only: the ring write (snapkv) and nothing else per layer.
+        assert sum(layer_16.values()) <= 2, f"{spec}: {layer_16}"
