@@ -164,7 +164,8 @@ def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], 
     rec = plan.record
     if cache.ring is not None and rec.ring_index is not None:
         ring = cache.ring
-        ring.view(-1, *ring.shape[2:]).index_copy_(0, rec.ring_index, query.to(ring.dtype))
+        ring.view(-1, *ring.shape[2:]).index_copy_(0, rec.ring_index, query if query.dtype == ring.dtype
+                                                   else query.to(ring.dtype))
     for policy in initializers:
         computed = policy.init_state(key.transpose(0, 1), value.transpose(0, 1), cache.o_proj, DISPATCHED)
         for name, values in computed.items():

@@ -18,6 +18,10 @@ pytestmark = pytest.mark.engine
 
 # aten ops that read a device value back to the host (a synchronisation on a GPU).
 SYNCS = {"_local_scalar_dense", "item", "equal", "is_nonzero", "nonzero", "any", "all"}
+# Metadata-only ops (no device kernel); PyTorch's indexing adds or drops some of them for a single
+# index element, so they are left out of the comparison.
+VIEWS = {"view", "_unsafe_view", "slice", "select", "expand", "as_strided", "unsqueeze", "squeeze", "transpose",
+         "permute", "t", "alias", "detach", "lift_fresh", "reshape", "unbind"}
 
 
 class OpCounter(TorchDispatchMode):
@@ -26,7 +30,9 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[func.overloadpacket.__name__] += 1
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -73,4 +79,4 @@ def test_ops_per_layer_do_not_grow_with_the_batch(tiny_llama, engine_factory, sp
     assert not SYNCS & (set(layer_16) | set(step_16)), f"{spec}: a host-device sync on the per-step path"
     if spec in ("snapkv", "keydiff"):
         # Recording only: the ring write (snapkv) and nothing else per layer.
-        assert sum(layer_16.values()) <= 2, f"{spec}: {layer_16}"
+        assert sum(layer_16.values()) <= 1, f"{spec}: {layer_16}"
