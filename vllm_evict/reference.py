@@ -3,7 +3,8 @@
 This is the oracle the vLLM integration must agree with. It runs one request, step by step, through
 the very eviction step the engine runs (``vllm_evict.evict_step``), on a paged cache of its own:
 
-* the prompt is fed in chunks of ``chunk_size`` tokens, then one generated token per step;
+* the prompt is fed in chunks of ``chunk_size`` tokens (or the given list of chunk sizes, to replay
+  an engine's schedule), then one generated token per step;
 * RoPE positions stay LOGICAL (``position_ids`` = logical positions) while the cache is physically
   shorter; every slot's logical position is kept per (layer, KV head) in the paged positions buffer;
 * in every layer, the step's K/V are written into the request's next slots and the attention over
@@ -242,7 +243,7 @@ def _eos_ids(model: Any) -> set[int]:
 
 @torch.inference_mode()
 def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: EvictionConfig | None,
-                  max_new_tokens: int, chunk_size: int = 128, slack: int = 1, *, tokenizer: Any = None,
+                  max_new_tokens: int, chunk_size: int | Sequence[int] = 128, slack: int = 1, *, tokenizer: Any = None,
                   ignore_eos: bool = False) -> ReferenceResult:
     """Greedy generation with the engine's eviction mechanics (see the module docstring).
 
@@ -259,8 +260,9 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    if chunk_size < 1 or max_new_tokens < 0:
-        raise ValueError("chunk_size must be >= 1 and max_new_tokens >= 0")
+    sizes = _chunk_sizes(len(prompt), chunk_size)
+    if max_new_tokens < 0:
+        raise ValueError("max_new_tokens must be >= 0")
     policy = config.build_policy() if config is not None else None
     effective_slack = config.slack if config is not None and config.slack is not None else slack
     run = _Run(model, policy, config, len(prompt), len(prompt) + max_new_tokens, effective_slack)
@@ -275,7 +277,8 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     logprobs: list[float] = []
     try:
         # Prompt chunks, then one token per step: the engine's schedule.
-        pending = [prompt[i:i + chunk_size] for i in range(0, len(prompt), chunk_size)]
+        starts = np.cumsum([0, *sizes])
+        pending = [prompt[a:b] for a, b in zip(starts[:-1], starts[1:])]
         while max_new_tokens > 0:
             step_tokens = pending.pop(0) if pending else [generated[-1]]
             m = len(step_tokens)
@@ -302,6 +305,18 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     return ReferenceResult(token_ids=generated, logprobs=logprobs, text=text, kept_positions=kept,
                            trace=run.trace, prompt_len=len(prompt), steps=run.step)
+
+
+def _chunk_sizes(prompt_len: int, chunk_size: int | Sequence[int]) -> list[int]:
+    """The prompt's chunk sizes: equal chunks of ``chunk_size``, or an explicit list that covers the prompt."""
+    if isinstance(chunk_size, int):
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        return [min(chunk_size, prompt_len - i) for i in range(0, prompt_len, chunk_size)]
+    sizes = [int(c) for c in chunk_size]
+    if any(c < 1 for c in sizes) or sum(sizes) != prompt_len:
+        raise ValueError(f"chunk sizes {sizes} must be positive and add up to the prompt's {prompt_len} tokens")
+    return sizes
 
 
 def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]:
