@@ -48,6 +48,17 @@ class LayerCache:
     o_proj: Tensor | None = None  # [hidden, H_q * d] this rank's output projection, when a policy needs it
     head_offset: int = 0  # global index of this rank's first KV head
 
+    @property
+    def ring_entries(self) -> Tensor | None:
+        """The ring as [(rows + 1) * W, H_q, d] (entry row * W + position % W), computed once per ring."""
+        ring = self.ring
+        if ring is None:
+            return None
+        cached = self.__dict__.get("_ring_entries")
+        if cached is None or cached[0] is not ring:
+            cached = self.__dict__["_ring_entries"] = (ring, ring.view(-1, *ring.shape[2:]))
+        return cached[1]
+
 
 @dataclass
 class Record:
@@ -157,18 +168,31 @@ def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) ->
         plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, rec.positions.long())
 
 
+def tokens_view(x: Tensor, num_tokens: int, heads: int, head_size: int) -> Tensor:
+    """[T', heads * head_size] or [T', heads, head_size] -> [num_tokens, heads, head_size] (T' >= num_tokens:
+    a CUDA graph pads the token axis); a view, no copy."""
+    view = x.view(-1, heads, head_size)
+    return view if view.shape[0] == num_tokens else view[:num_tokens]
+
+
 def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], query: Tensor, key: Tensor,
                  value: Tensor) -> None:
-    """This layer's part of the record phase: the step's queries [T, H_q, d] into the ring, and the
-    per-token state computed from K/V [T, H_kv, d] by ``initializers`` (one policy per computed state)."""
+    """This layer's part of the record phase: the step's queries into the ring, and the per-token state
+    computed from K/V by ``initializers`` (one policy per computed state). query/key/value are the
+    attention's own inputs (``tokens_view`` shapes them); the common case costs one tensor operation."""
     rec = plan.record
-    if cache.ring is not None and rec.ring_index is not None:
-        ring = cache.ring
-        ring.view(-1, *ring.shape[2:]).index_copy_(0, rec.ring_index, query if query.dtype == ring.dtype
-                                                   else query.to(ring.dtype))
+    num_tokens = rec.pages.shape[0]
+    ring = cache.ring_entries
+    if ring is not None and rec.ring_index is not None:
+        q = tokens_view(query, num_tokens, ring.shape[1], ring.shape[2])
+        ring.index_copy_(0, rec.ring_index, q if q.dtype == ring.dtype else q.to(ring.dtype))
+    if not initializers:
+        return
+    heads, head_size = cache.k.shape[1], cache.k.shape[3]
+    k = tokens_view(key, num_tokens, heads, head_size).transpose(0, 1)
+    v = tokens_view(value, num_tokens, heads, head_size).transpose(0, 1)
     for policy in initializers:
-        computed = policy.init_state(key.transpose(0, 1), value.transpose(0, 1), cache.o_proj, DISPATCHED)
-        for name, values in computed.items():
+        for name, values in policy.init_state(k, v, cache.o_proj, DISPATCHED).items():
             cache.state[name][rec.pages, :, rec.offsets] = values.transpose(0, 1).float()
 
 

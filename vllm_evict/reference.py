@@ -204,7 +204,8 @@ def _reference_attention(module: torch.nn.Module, query: Tensor, key: Tensor, va
     if run.policy.needs_o_proj and cache.o_proj is None:
         cache.o_proj = module.o_proj.weight
     step_query = q.transpose(0, 1)  # [m, H_q, d]
-    record_layer(cache, run.plan, run.initializers, step_query, k_new.transpose(0, 1), v_new.transpose(0, 1))
+    record_layer(cache, run.plan, run.initializers, step_query.contiguous(), k_new.transpose(0, 1).contiguous(),
+                 v_new.transpose(0, 1).contiguous())
     if run.plan.groups:
         evict_layer(cache, run.plan, step_query)
         if run.keep is not None:

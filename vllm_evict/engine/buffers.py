@@ -9,7 +9,7 @@
   extra row is a trash row for tokens that must not land in any row's window.
 
 One tensor across layers, so that what is the same for every layer (a new token's position, a state
-that starts at 0) is written once per step. ``bytes_per_page`` / ``fixed_bytes`` let the worker count
+that starts at 0) is written once per step. ``token_bytes`` / ``ring_bytes`` let the worker count
 them in the KV-cache memory budget before vLLM sizes the pool.
 """
 
@@ -39,16 +39,17 @@ class Geometry:
     device: torch.device
 
 
-def bytes_per_page(geometry: Geometry, num_states: int) -> int:
-    """Bytes of positions and ``num_states`` state buffers per KV page, over all layers."""
-    per_slot = torch.tensor([], dtype=POSITION_DTYPE).element_size() + 4 * num_states
-    return geometry.layers * geometry.kv_heads * geometry.page_size * per_slot
+MAX_STATES = 3  # the most per-token states any policy keeps (criticalkv+ahakv: vnorm, score, nu)
 
 
-def ring_bytes(geometry: Geometry, window: int) -> int:
-    element = torch.tensor([], dtype=geometry.dtype).element_size()
-    return (geometry.layers * (geometry.max_rows + 1) * window * geometry.query_heads * geometry.head_size * element
-            + (geometry.max_rows + 1) * window * 8)
+def token_bytes(layers: int, kv_heads: int, num_states: int) -> int:
+    """Bytes of positions and ``num_states`` fp32 states per cached token, over all layers and KV heads."""
+    return layers * kv_heads * (torch.tensor([], dtype=POSITION_DTYPE).element_size() + 4 * num_states)
+
+
+def ring_bytes(layers: int, rows: int, window: int, query_heads: int, head_size: int, element: int) -> int:
+    """Bytes of a ``window``-query ring for ``rows`` input-batch rows (plus the trash row) and its positions."""
+    return (rows + 1) * window * (layers * query_heads * head_size * element + 8)
 
 
 class EvictionBuffers:

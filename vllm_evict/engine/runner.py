@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vllm_evict.engine.buffers import EvictionBuffers, Geometry, bytes_per_page, ring_bytes
+from vllm_evict.engine.buffers import EvictionBuffers, Geometry, ring_bytes
 from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder
-from vllm_evict.evict_step import LayerCache, evict_layer, record_layer
+from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.paged import gather_tokens
 from vllm_evict.policies.base import Policy
 
@@ -156,9 +156,29 @@ class EvictRunnerMixin:
         total = self.model_config.get_total_num_kv_heads()  # type: ignore[attr-defined]
         return rank * local_heads if world <= total else rank * total // world
 
-    def evict_memory_per_page(self, num_states: int = 3) -> int:
-        """Bytes of eviction buffers per KV page (positions and up to ``num_states`` states)."""
-        return bytes_per_page(self.evict_buffers.geometry, num_states) if self.evict_buffers else 0
+    def evict_kv_share(self, available: int) -> int:
+        """The part of ``available`` KV-cache bytes left for K and V once eviction's buffers are counted:
+        the server policy's query ring (fixed), and per token the positions and the most state buffers
+        any policy keeps (``MAX_STATES``), in proportion to the K/V bytes of that token."""
+        from vllm_evict.engine.buffers import MAX_STATES, token_bytes
+
+        if self.evict_server is None:
+            return available
+        model, parallel = self.model_config, self.parallel_config  # type: ignore[attr-defined]
+        layers = model.get_num_layers(parallel)
+        kv_heads, query_heads = model.get_num_kv_heads(parallel), model.get_num_attention_heads(parallel)
+        head_size = model.get_head_size()
+        dtype = self.kv_cache_dtype if isinstance(getattr(self, "kv_cache_dtype", None), torch.dtype) else model.dtype
+        element = torch.tensor([], dtype=dtype).element_size()
+        kv_per_token = layers * kv_heads * head_size * 2 * element
+        ours_per_token = token_bytes(layers, kv_heads, MAX_STATES)
+        window = _server_config(self.evict_server).build_policy().query_window or 0
+        rows = self.scheduler_config.max_num_seqs  # type: ignore[attr-defined]
+        ring = ring_bytes(layers, rows, window, query_heads, head_size, element)
+        share = int(max(available - ring, 0) * kv_per_token / (kv_per_token + ours_per_token))
+        logger.info("vllm_evict: %.1f MiB of the KV cache memory hold eviction's buffers (query ring %.1f MiB)",
+                    (available - share) / 2**20, ring / 2**20)
+        return share
 
     # ---- step bookkeeping ----------------------------------------------------------------------
     def _update_states(self, scheduler_output: Any) -> Any:
@@ -236,14 +256,10 @@ class EvictRunnerMixin:
     def _evict_layer(self, index: int, layer: Any, step: BuiltStep, query: Tensor, key: Tensor,
                      value: Tensor) -> None:
         cache = self.evict_layers[index]
-        impl = layer.impl if hasattr(layer, "impl") else layer
-        t = step.num_tokens  # the padded token axis of a CUDA graph may be longer
-        query = query[:t].view(t, impl.num_heads, impl.head_size)
-        key = key[:t].view(t, impl.num_kv_heads, impl.head_size)
-        value = value[:t].view(t, impl.num_kv_heads, impl.head_size)
         record_layer(cache, step.plan, step.initializers, query, key, value)
         if step.plan.groups:
-            evict_layer(cache, step.plan, query)
+            impl = layer.impl if hasattr(layer, "impl") else layer
+            evict_layer(cache, step.plan, tokens_view(query, step.num_tokens, impl.num_heads, impl.head_size))
 
     def _o_proj_weight(self, layer_name: str, dtype: torch.dtype) -> Tensor:
         """This layer's output projection [hidden, H_q * d] on this rank (CriticalKV projects values

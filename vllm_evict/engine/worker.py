@@ -33,7 +33,13 @@ def _worker_class(base_path: str) -> type:
         base.init_device(self)
         install_runner_mixin(self)
 
-    return type("Evict" + name, (base,), {"init_device": init_device, "__module__": __name__})
+    def determine_available_memory(self: Any) -> int:
+        # Eviction's buffers live next to the KV cache: they come out of its memory, before vLLM sizes
+        # the pool, so that eviction can never push the device out of memory.
+        return self.model_runner.evict_kv_share(base.determine_available_memory(self))
+
+    return type("Evict" + name, (base,), {"init_device": init_device, "__module__": __name__,
+                                           "determine_available_memory": determine_available_memory})
 
 
 def __getattr__(name: str) -> type:

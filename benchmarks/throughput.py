@@ -1,0 +1,292 @@
+"""Throughput of vanilla vLLM and of vLLM with eviction, side by side in one run (real engine, CPU).
+
+    python benchmarks/throughput.py spare     # 32 x (512 + 128), a KV pool for all of them
+    python benchmarks/throughput.py tight     # 8 x (3000 + 64) through a 4,096-token pool
+    python benchmarks/throughput.py decode    # 16 x (256 + 512), eviction after every page of growth
+    python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
+    python benchmarks/throughput.py all --json results.json
+
+Every variant runs on a fresh engine (in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0) with the same
+settings except the eviction config; the variants take turns, ``--rounds`` times, so a slow spell of
+a shared machine hits all of them; the table gives each variant's median and its ratio to vanilla.
+Throughput is total tokens (prompt + generated) over the wall time of one ``LLM.generate`` of all
+the requests (greedy, ``ignore_eos``), after one warm-up request. The default model is
+SmolLM2-135M-Instruct in float32 (``vllm_evict.models``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@dataclass
+class Variant:
+    name: str
+    eviction: dict[str, Any] | None
+    pool_tokens: int | None = None  # None: the scenario's pool
+
+
+@dataclass
+class Scenario:
+    name: str
+    requests: int
+    prompt: int
+    generate: int
+    pool_tokens: int  # KV pool of every variant unless it says otherwise
+    chunk: int  # max_num_batched_tokens
+    variants: list[Variant] = field(default_factory=list)
+    targets: dict[str, float] = field(default_factory=dict)  # variant -> minimum ratio to vanilla
+
+
+PAGE = 32
+
+
+def scenarios() -> dict[str, Scenario]:
+    spare_pool = 32 * (512 + 128) + 8 * PAGE
+    return {
+        "spare": Scenario(
+            "spare", requests=32, prompt=512, generate=128, pool_tokens=spare_pool, chunk=2048,
+            variants=[Variant("vanilla", None),
+                      Variant("never evicts", {"policy": "snapkv", "budget": 4096}),
+                      Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
+                      Variant("keydiff 256", {"policy": "keydiff", "budget": 256})],
+            targets={"never evicts": 0.97, "snapkv 256": 0.95, "keydiff 256": 0.95}),
+        "tight": Scenario(
+            "tight", requests=8, prompt=3000, generate=64, pool_tokens=4096, chunk=512,
+            variants=[Variant("vanilla", None),
+                      Variant("vanilla, 8x pool", None, pool_tokens=8 * 4096),
+                      Variant("keydiff 448", {"policy": "keydiff", "budget": 448})],
+            targets={"keydiff 448": 2.0}),
+        "decode": Scenario(
+            "decode", requests=16, prompt=256, generate=512, pool_tokens=16 * (256 + 512) + 8 * PAGE, chunk=2048,
+            variants=[Variant("vanilla", None),
+                      Variant("snapkv 256, slack 1 page", {"policy": "snapkv", "budget": 256, "slack": PAGE})],
+            targets={"snapkv 256, slack 1 page": 0.95}),
+    }
+
+
+def model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from vllm_evict import models
+
+    return str(models.prepare())
+
+
+def token_bytes(model: str, dtype: str) -> int:
+    """KV bytes per token (all layers, K and V) of ``model`` in ``dtype``."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return cfg.num_hidden_layers * cfg.num_key_value_heads * head * 2 * size
+
+
+def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_seqs: int | None = None) -> Any:
+    from vllm import LLM
+
+    pool = variant.pool_tokens or scenario.pool_tokens
+    kwargs: dict[str, Any] = dict(
+        model=model, dtype=dtype, enforce_eager=True, block_size=PAGE, seed=0, enable_prefix_caching=False,
+        max_model_len=scenario.prompt + scenario.generate + PAGE, max_num_seqs=max_seqs or scenario.requests,
+        max_num_batched_tokens=scenario.chunk, kv_cache_memory_bytes=pool * token_bytes(model, dtype),
+        disable_log_stats=True)
+    if variant.eviction is not None:
+        kwargs["additional_config"] = {"kv_eviction": variant.eviction}
+    return LLM(**kwargs)
+
+
+def prompts_for(scenario: Scenario, vocab: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(scenario.prompt)]}
+            for _ in range(scenario.requests)]
+
+
+def close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    llm = make_llm(model, dtype, scenario, variant)
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        params = SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True)
+        llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
+                     use_tqdm=False)  # warm-up
+        preempted = _count_preemptions(core.scheduler)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert generated == scenario.requests * scenario.generate, "the engine stopped early"
+        tokens = scenario.requests * scenario.prompt + generated
+        return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
+                    pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+                    token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+    finally:
+        close(llm)
+
+
+def _count_preemptions(scheduler: Any):
+    count = [0]
+    original = scheduler._preempt_request
+
+    def preempt(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    scheduler._preempt_request = preempt
+    return lambda: count[0]
+
+
+def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dict[str, Any]:
+    results: dict[str, list[dict[str, Any]]] = {v.name: [] for v in scenario.variants}
+    for _ in range(rounds):
+        for variant in scenario.variants:
+            results[variant.name].append(run_variant(model, dtype, scenario, variant))
+    base = statistics.median(r["tokens_per_s"] for r in results["vanilla"])
+    summary = {}
+    for variant in scenario.variants:
+        runs = results[variant.name]
+        tps = statistics.median(r["tokens_per_s"] for r in runs)
+        same = runs[0]["token_ids"] == results["vanilla"][0]["token_ids"]
+        summary[variant.name] = dict(
+            tokens_per_s=tps, ratio=tps / base, runs=[round(r["tokens_per_s"], 1) for r in runs],
+            preemptions=runs[0]["preemptions"], pool_pages=runs[0]["pool_pages"], same_tokens_as_vanilla=same,
+            target=scenario.targets.get(variant.name))
+    return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary)
+
+
+def format_scenario(out: dict[str, Any]) -> str:
+    s = out["scenario"]
+    lines = [f"## {s['name']}: {s['requests']} x ({s['prompt']} + {s['generate']}), pool {s['pool_tokens']} tokens, "
+             f"chunk {s['chunk']}",
+             "",
+             "| variant | total tokens/s (median) | x vanilla | target | runs | preemptions | pool pages | same tokens as vanilla |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in out["results"].items():
+        target = f">= {r['target']}" if r["target"] else ""
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | "
+                     f"{r['preemptions']} | {r['pool_pages']} | {'yes' if r['same_tokens_as_vanilla'] else 'no'} |")
+    return "\n".join(lines)
+
+
+# ---- host time of the hooks ------------------------------------------------------------------------
+def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[str, Any]:
+    """Wall time spent in the eviction hooks (per-layer step and per-step builder) per decode step that
+    evicts nothing, at each batch size: the engine is instrumented from outside, nothing else changes."""
+    from vllm import SamplingParams
+
+    out = {}
+    for batch in batches:
+        scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=batch * (64 + steps + PAGE) + 4 * PAGE,
+                            chunk=max(2048, 64 * batch))
+        variant = Variant("snapkv, never evicts", {"policy": "snapkv", "budget": 4096})
+        llm = make_llm(model, dtype, scenario, variant)
+        try:
+            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            spent: list[float] = []
+            decode_steps: list[float] = []
+            original_layer, original_build = runner._evict_layer, runner.evict_builder.build
+            current = [0.0]
+
+            def layer(*args: Any) -> None:
+                start = time.perf_counter()
+                original_layer(*args)
+                current[0] += time.perf_counter() - start
+
+            def build(runner_: Any, plan: Any, scheduled: Any) -> Any:
+                if current[0] and built_tokens[0] == batch:
+                    spent.append(current[0])
+                current[0] = 0.0
+                start = time.perf_counter()
+                result = original_build(runner_, plan, scheduled)
+                current[0] += time.perf_counter() - start
+                built_tokens[0] = result.num_tokens
+                return result
+
+            built_tokens = [0]
+            runner._evict_layer, runner.evict_builder.build = layer, build
+            vocab = llm.llm_engine.model_config.get_vocab_size()
+            params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
+            decode_steps.append(time.perf_counter() - start)
+            out[str(batch)] = dict(hooks_ms_per_step_median=1e3 * statistics.median(spent),
+                                   hooks_ms_per_step_p90=1e3 * sorted(spent)[int(0.9 * (len(spent) - 1))],
+                                   steps=len(spent), layers=len(runner.evict_layers))
+        finally:
+            close(llm)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["spare", "tight", "decode", "host", "all"])
+    parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")
+    parser.add_argument("--host-batches", default="1,64")
+    parser.add_argument("--host-steps", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    model = model_path(args)
+    import torch
+    import vllm
+
+    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, model {Path(model).name}, "
+          f"{args.dtype}, page {PAGE} tokens")
+    results: dict[str, Any] = {}
+    names = ["spare", "tight", "decode", "host"] if args.what == "all" else [args.what]
+    for name in names:
+        if name == "host":
+            batches = [int(b) for b in args.host_batches.split(",")]
+            results["host"] = host_time(model, args.dtype, batches, args.host_steps)
+            print("## host time of the eviction hooks per decode step (nothing evicted)\n")
+            print("| batch | ms per step (median) | p90 | steps | layers |\n|---|---|---|---|---|")
+            for batch, r in results["host"].items():
+                print(f"| {batch} | {r['hooks_ms_per_step_median']:.3f} | {r['hooks_ms_per_step_p90']:.3f} | "
+                      f"{r['steps']} | {r['layers']} |")
+        else:
+            out = run_scenario(model, args.dtype, scenarios()[name], args.rounds)
+            results[name] = out
+            print(format_scenario(out))
+        print()
+    if args.json:
+        for out in results.values():
+            for r in out.get("results", {}).values():
+                r.pop("token_ids", None)
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
