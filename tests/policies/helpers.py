@@ -15,7 +15,24 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense
+from vllm_evict.config import EvictionConfig
+from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
 from vllm_evict.policies.base import EvictionInputs, Phase, Policy, StepResult
+
+# Every registered policy, and every meta score over every attention-mass base.
+MASS_BASES = tuple(name for name in BASE_POLICIES if load_class(name).is_attention_mass)
+SPECS = list(BASE_POLICIES) + [f"{meta}+{base}" for meta in META_POLICIES for base in MASS_BASES]
+# Smaller protected windows than the paper defaults, so that budgets below short lengths are possible.
+SMALL_OPTIONS: dict[str, dict] = {"snapkv": {"window": 4}, "ahakv": {"recent": 4}}
+
+
+def options_for(spec: str) -> dict:
+    return dict(SMALL_OPTIONS.get(spec.split("+")[-1], {}))
+
+
+def build(spec: str, budget: int) -> Policy:
+    """``spec`` with ``SMALL_OPTIONS``, configured for ``budget``."""
+    return EvictionConfig.from_spec(spec, budget, **options_for(spec)).build_policy()
 
 
 def one_row(keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor, query_positions: Tensor,
@@ -121,14 +138,15 @@ def _pad(x: Tensor, axis: int, size: int, junk: Tensor) -> Tensor:
 
 
 def stack_rows(rows: Sequence[EvictionInputs], width: int | None = None, window: int | None = None,
-               junk_seed: int = 0) -> EvictionInputs:
+               junk_seed: int = 0, roll: bool = False) -> EvictionInputs:
     """One batch of the given 1-row inputs, padded to ``width`` candidate slots (default: the longest
     row + 3) and ``window`` query entries (default: the widest + 2).
 
     Every padding slot holds junk: large random keys, values and state, and random positions (also
     negative and beyond the row's queries), so that a policy that reads padding changes a real row's
-    result. Padding query entries carry junk queries at position -1 (empty). The rows must agree on
-    the layer, head offset, scale, phase and o_proj (a batch shares them)."""
+    result. Padding query entries carry junk queries at position -1 (empty). ``roll`` rotates row r's
+    window by r entries, as a ring buffer leaves it. The rows must agree on the layer, head offset,
+    scale, phase and o_proj (a batch shares them)."""
     first = rows[0]
     for r in rows[1:]:
         assert (r.layer, r.head_offset, r.scale, r.phase) == (first.layer, first.head_offset, first.scale, first.phase)
@@ -142,13 +160,14 @@ def stack_rows(rows: Sequence[EvictionInputs], width: int | None = None, window:
         return torch.randn(*shape, generator=g) * scale
 
     keys, values, positions, queries, qpos, state = [], [], [], [], [], {k: [] for k in first.state}
-    for r in rows:
+    for i, r in enumerate(rows):
         assert r.num_rows == 1 and int(r.lengths[0]) == r.width, "stack 1-row inputs without padding"
         keys.append(_pad(r.keys[0], 1, n, junk(h, n, d)))
         values.append(_pad(r.values[0], 1, n, junk(h, n, d)))
         positions.append(_pad(r.positions[0], 1, n, torch.randint(-3, 10_000, (h, n), generator=g)))
-        queries.append(_pad(r.queries[0], 1, w, junk(h_q, w, d, scale=3.0)))
-        qpos.append(_pad(r.query_positions[0], 0, w, torch.full((w,), dense.EMPTY_QUERY)))
+        shift = i if roll else 0
+        queries.append(_pad(r.queries[0], 1, w, junk(h_q, w, d, scale=3.0)).roll(shift, dims=1))
+        qpos.append(_pad(r.query_positions[0], 0, w, torch.full((w,), dense.EMPTY_QUERY)).roll(shift, dims=0))
         for k in state:
             state[k].append(_pad(r.state[k][0], 1, n, junk(h, n, scale=1e3)))
     return EvictionInputs(
