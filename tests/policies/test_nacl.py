@@ -227,6 +227,9 @@ def test_noise_streams():
     inp = positions_only(2, 500, seq_len=1000)  # the same keys as a's first heads and slots
     assert not torch.equal(head_draws(inp), head_draws(inp, GUMBEL_STREAM))
     assert torch.equal(a[:, :2, :500], -torch.log(-torch.log(head_draws(inp, GUMBEL_STREAM))))
+    # The largest uniform draw stays below 1, so the noise stays finite (these keys hit it, see test_dense).
+    top = positions_only(1, 231, seq_len=11738)
+    assert torch.isfinite(gumbel_noise(top)).all() and float(gumbel_noise(top)[0, 0, 230]) > 16
     # Gumbel(0, 1): mean = Euler-Mascheroni constant, variance pi^2 / 6
     big = gumbel_noise(positions_only(4, 50_000, seed=123))
     assert abs(float(big.mean()) - 0.5772) < 0.02
