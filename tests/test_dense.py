@@ -4,6 +4,7 @@ entries, per-row gains and counts, shuffled logical positions."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Iterator
@@ -48,7 +49,8 @@ def padded_case(seed: int = 0, window: int = 5):
 
 # ---- padding helpers -------------------------------------------------------------------------------
 def test_valid_slots_and_as_rows():
-    assert dense.valid_slots(torch.tensor([2, 0, 3]), 3).tolist() == [[[True, True, False]], [[False] * 3], [[True] * 3]]
+    valid = dense.valid_slots(torch.tensor([2, 0, 3]), 3)
+    assert valid.tolist() == [[[True, True, False]], [[False] * 3], [[True] * 3]]
     assert dense.as_rows(5, 3, torch.device("cpu"), torch.int64).tolist() == [5, 5, 5]
     assert dense.as_rows(torch.tensor([1, 2]), 2, torch.device("cpu"), torch.float32).tolist() == [1.0, 2.0]
 
@@ -224,11 +226,11 @@ def naive_pool_rows(x, positions, lengths, kernel, kind, count_pad=True):
     for r, n in enumerate(lengths.tolist()):
         for h in range(x.shape[1]):
             order = sorted(range(n), key=lambda j: int(positions[r, h, j]))
-            for index in torch.cartesian_prod(*[torch.arange(s) for s in x.shape[2:-1]]).view(-1, x.dim() - 3) \
-                    if x.dim() > 3 else [()]:
-                idx = (r, h, *[int(i) for i in index])
+            for index in itertools.product(*[range(s) for s in x.shape[2:-1]]):  # the query heads, if any
+                idx = (r, h, *index)
                 for t, j in enumerate(order):
-                    near = [float(x[idx][order[u]]) for u in range(max(0, t - kernel // 2), min(n, t + kernel // 2 + 1))]
+                    span = range(max(0, t - kernel // 2), min(n, t + kernel // 2 + 1))
+                    near = [float(x[idx][order[u]]) for u in span]
                     if kind == "max":
                         out[idx][j] = max(near)
                     else:

@@ -61,9 +61,9 @@ def inputs(policy: Policy, case: dict, phase: Phase, ops, keys, values) -> Evict
         keep = qpos >= (2 * lengths - num_new).view(-1, 1)
         qpos = torch.where(keep, qpos, torch.full_like(qpos, -1))
     budget = torch.tensor(BUDGETS, device=lengths.device)
-    return EvictionInputs(keys=keys, values=values, positions=paged.gather_tokens(case["positions"], case["table"], width),
-                          lengths=lengths, queries=queries, query_positions=qpos, scale=D ** -0.5,
-                          seq_len=2 * lengths, num_new=num_new, phase=phase,
+    positions = paged.gather_tokens(case["positions"], case["table"], width)
+    return EvictionInputs(keys=keys, values=values, positions=positions, lengths=lengths, queries=queries,
+                          query_positions=qpos, scale=D ** -0.5, seq_len=2 * lengths, num_new=num_new, phase=phase,
                           state=init_rows(policy, dense_k, dense_v, case["o_proj"]), layer=3,
                           seed=torch.tensor([5, 6, 7], device=lengths.device), head_offset=2,
                           o_proj=case["o_proj"] if policy.needs_o_proj else None, budget=budget,
@@ -92,7 +92,7 @@ def run(spec: str, options: dict, device, backend: str, group: int, layout: str,
     assert got.keep is not None and want.keep is not None
     assert got.keep.shape == (len(LENGTHS), HEADS, max(BUDGETS))
     for r, b in enumerate(BUDGETS):
-        assert torch.equal(got.keep[r, :, :b], want.keep[r, :, :b]), f"{spec} {options} on {backend}: row {r} kept sets differ"
+        assert torch.equal(got.keep[r, :, :b], want.keep[r, :, :b]), f"{spec} {options} {backend}: row {r} kept sets"
         assert (got.keep[r, :, b:] == width).all()
     for name in policy.state_names:
         for r, n in enumerate(LENGTHS):

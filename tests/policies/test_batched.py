@@ -136,7 +136,8 @@ def test_draws_are_keyed_by_the_global_head(draws):
     assert torch.equal(draws(two), both[:, :2])
     assert not torch.equal(both[:, :2], both[:, 2:])
     # ... and so do the kept slots of the random policy.
-    whole, rank = RandomPolicy().step(with_budget(four, 10)), RandomPolicy().step(with_budget(two.evolve(head_offset=2), 10))
+    whole = RandomPolicy().step(with_budget(four, 10))
+    rank = RandomPolicy().step(with_budget(two.evolve(head_offset=2), 10))
     assert torch.equal(rank.keep, whole.keep[:, 2:])
 
 
