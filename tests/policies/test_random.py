@@ -65,15 +65,20 @@ def test_scores_are_uniform_in_unit_interval():
 
 
 def test_every_slot_equally_likely():
-    """Over many seeds each slot survives with probability budget/n (here 0.25)."""
-    counts = torch.zeros(8)
-    p = RandomPolicy()
-    for seed in range(400):
-        keep = step(p, make_inputs(1, 1, n=8, d=2, w=0, seed=seed), 2).keep
-        counts[keep[0, 0]] += 1
-    freq = counts / 400
-    # Binomial(400, 0.25): sd of the frequency 0.0217; 5 sd bound.
-    assert (freq - 0.25).abs().max().item() < 0.11
+    """Over many seeds each slot survives with probability budget/n (here 0.25): 4000 copies of one request
+    that differ only in their seed, as one batch."""
+    one = make_inputs(1, 1, n=8, d=2, w=0)
+    rows = lambda x: x.expand(4000, *x.shape[1:])  # noqa: E731
+    inp = one.evolve(keys=rows(one.keys), values=rows(one.values), positions=rows(one.positions),
+                     lengths=rows(one.lengths), queries=rows(one.queries), query_positions=rows(one.query_positions),
+                     seq_len=rows(one.seq_len), num_new=rows(one.num_new), seed=torch.arange(4000))
+    keep = step(RandomPolicy(), inp, 2).keep[:, 0]  # [4000, 2]
+    freq = torch.bincount(keep.flatten(), minlength=8).float() / 4000
+    # Binomial(4000, 0.25): sd of the frequency 0.0068; 5 sd bound.
+    assert (freq - 0.25).abs().max().item() < 0.035
+    # ... and the pairs are spread too: all 28 pairs occur, none much more than 1/28 of the time.
+    pairs = torch.bincount(keep[:, 0] * 8 + keep[:, 1], minlength=64).float() / 4000
+    assert (pairs > 0).sum() == 28 and pairs.max() < 2 / 28
 
 
 def test_protection():
