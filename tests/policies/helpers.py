@@ -41,7 +41,7 @@ def one_row(keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor, qu
             o_proj: Tensor | None = None) -> EvictionInputs:
     """A 1-row batch from one request's tensors: keys/values [H, n, d], positions [H, n], queries
     [H_q, w, d], query_positions [w], state {name: [H, n]}; every slot holds a candidate."""
-    h, n = positions.shape
+    n = positions.shape[1]
     return EvictionInputs(
         keys=keys.unsqueeze(0), values=values.unsqueeze(0), positions=positions.long().unsqueeze(0),
         lengths=torch.tensor([n]), queries=queries.unsqueeze(0),
@@ -108,11 +108,6 @@ def with_budget(inp: EvictionInputs, budget: int | Sequence[int] | Tensor | None
 def step(policy: Policy, inp: EvictionInputs, budget: int | Sequence[int] | None) -> StepResult:
     """``policy.step`` with ``budget`` (see ``with_budget``)."""
     return policy.step(with_budget(inp, budget))
-
-
-def kept_lists(keep: Tensor, budget: Tensor) -> list[list[list[int]]]:
-    """keep [R, H, budget_max] -> per row and head the kept slots (each row's first budget[r] columns)."""
-    return [[keep[r, h, : int(budget[r])].tolist() for h in range(keep.shape[1])] for r in range(keep.shape[0])]
 
 
 def check_keep_layout(keep: Tensor, budget: Tensor, lengths: Tensor, width: int) -> None:
