@@ -293,4 +293,6 @@ def uniform_hash(*keys: Tensor | int) -> Tensor:
         key = torch.as_tensor(key, dtype=torch.int64, device=device)
         for part in (key & _M32, (key >> 32) & _M32):  # 64-bit keys: both halves
             h = _mix32(h ^ part)
-    return (((h >> 8).double() + 0.5) / float(1 << 24)).float()  # top 24 bits: exact in fp32
+    # The top 23 bits: k + 0.5 then needs 24 significant bits, exact in fp32, so every draw is < 1. (With
+    # 24 bits the largest draw, 1 - 2^-25, rounded to 1.0 in fp32: a Gumbel draw of +inf.)
+    return (((h >> 9).double() + 0.5) / float(1 << 23)).float()

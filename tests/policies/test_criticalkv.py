@@ -7,12 +7,21 @@ import math
 import pytest
 import torch
 
+from vllm_evict import dense
 from vllm_evict.config import EvictionConfig
-from vllm_evict.policies import criticalkv as ckv
-from vllm_evict.policies.base import EvictionInputs, Policy, protect
-from vllm_evict.policies.criticalkv import CriticalKV, projected_value_l1, two_stage_keep
+from vllm_evict.dense import protect, value_norms
+from vllm_evict.policies.base import EvictionInputs, Policy
+from vllm_evict.policies.criticalkv import CriticalKV, two_stage_keep
 
-from .helpers import make_inputs, with_initial_state
+from .helpers import make_inputs, step, with_budget, with_initial_state
+
+
+def keep_one(s1, nu, protected, budget, alpha, epsilon):
+    """``two_stage_keep`` of one request (s1, nu, protected [H, n]; no padding): kept slots [H, budget]."""
+    valid = torch.ones(1, 1, s1.shape[-1], dtype=torch.bool)
+    keep = two_stage_keep(s1.unsqueeze(0), nu.unsqueeze(0), protected.unsqueeze(0), valid, torch.tensor([budget]),
+                          budget, alpha, epsilon)
+    return keep[0]
 
 
 def nu_by_loop(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
@@ -29,7 +38,8 @@ def nu_by_loop(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
 
 
 class FixedMass(Policy):
-    """Test base: a given mass, given protection, a query window of ``rows`` and its own state 'acc'."""
+    """Test base for one request: a given mass and protection [H, n], a mass summing ``rows`` query rows,
+    and its own state 'acc'."""
 
     name = "fixedmass"
     is_attention_mass = True
@@ -37,7 +47,7 @@ class FixedMass(Policy):
 
     def __init__(self, mass: torch.Tensor, protected: torch.Tensor, rows: int = 1) -> None:
         super().__init__()
-        self._mass, self._protected, self._rows = mass, protected, rows
+        self._mass, self._protected, self._rows = mass.unsqueeze(0), protected.unsqueeze(0), rows
 
     @property
     def query_window(self) -> int:
@@ -45,6 +55,9 @@ class FixedMass(Policy):
 
     def attention_mass(self, inp: EvictionInputs) -> torch.Tensor:
         return self._mass
+
+    def mass_rows(self, inp: EvictionInputs) -> torch.Tensor:
+        return torch.full((inp.num_rows,), self._rows)
 
     def protected_mask(self, inp: EvictionInputs) -> torch.Tensor:
         return self._protected
@@ -59,7 +72,7 @@ def test_nu_matches_an_explicit_per_head_loop(h_kv, group, hidden):
     d, m = 8, 13
     values = torch.randn(h_kv, m, d, generator=gen)
     o_proj = torch.randn(hidden, h_kv * group * d, generator=gen)
-    nu = projected_value_l1(values, o_proj)
+    nu = value_norms(values, o_proj)
     assert nu.shape == (h_kv, m) and nu.dtype == torch.float32
     torch.testing.assert_close(nu.double(), nu_by_loop(values, o_proj), rtol=1e-5, atol=1e-5)
 
@@ -68,9 +81,9 @@ def test_nu_in_token_blocks_equals_all_at_once(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     values = torch.randn(2, 50, 4, generator=gen)
     o_proj = torch.randn(16, 2 * 2 * 4, generator=gen).to(torch.bfloat16)
-    whole = projected_value_l1(values, o_proj)
-    monkeypatch.setattr(ckv, "_NU_BLOCK_ELEMENTS", 3 * 4 * 16)  # 3 tokens per block, a ragged last one
-    torch.testing.assert_close(projected_value_l1(values, o_proj), whole)
+    whole = value_norms(values, o_proj)
+    monkeypatch.setattr(dense, "_VALUE_NORM_BLOCK", 3 * 4 * 16)  # 3 tokens per block, a ragged last one
+    torch.testing.assert_close(value_norms(values, o_proj), whole)
     torch.testing.assert_close(whole.double(), nu_by_loop(values, o_proj.float()), rtol=1e-5, atol=1e-5)
 
 
@@ -78,12 +91,14 @@ def test_init_state_merges_base_state_and_nu():
     inp = make_inputs(h_kv=2, group=2, n=20, d=8, w=4, seed=1)
     policy = EvictionConfig.from_spec("criticalkv+h2o", budget=10).build_policy()
     assert policy.state_names == ("acc", "nu") and policy.needs_o_proj and policy.needs_every_step
-    state = policy.init_state(inp.keys, inp.values, inp.o_proj)
-    assert set(state) == {"acc", "nu"}
-    assert torch.equal(state["acc"], torch.zeros(2, 20))
-    torch.testing.assert_close(state["nu"].double(), nu_by_loop(inp.values, inp.o_proj), rtol=1e-5, atol=1e-5)
+    assert policy.computed_state == ("nu",)  # acc starts at 0 (the engine writes the zeros)
+    computed = policy.init_state(inp.keys[0], inp.values[0], inp.o_proj)
+    assert set(computed) == {"nu"}
+    torch.testing.assert_close(computed["nu"].double(), nu_by_loop(inp.values[0], inp.o_proj), rtol=1e-5, atol=1e-5)
+    state = with_initial_state(policy, inp).state
+    assert set(state) == {"acc", "nu"} and torch.equal(state["acc"], torch.zeros(1, 2, 20))
     # The base's per-step update keeps nu (H2O rebuilds its state dict).
-    new_state = policy.step(inp.with_state(state), None).state
+    new_state = step(policy, inp.with_state(state), None).state
     assert torch.equal(new_state["nu"], state["nu"]) and new_state["acc"].sum() > 0
 
 
@@ -91,11 +106,14 @@ def test_missing_o_proj_or_nu_is_a_clear_error():
     inp = make_inputs(h_kv=1, group=2, n=10, d=4, w=2)
     policy = EvictionConfig.from_spec("criticalkv+snapkv", budget=6, window=2).build_policy()
     with pytest.raises(ValueError, match="output projection weight"):
-        policy.init_state(inp.keys, inp.values, None)
+        policy.init_state(inp.keys[0], inp.values[0], None)
     with pytest.raises(ValueError, match="state 'nu'"):
-        policy.select(inp, 6)
-    with pytest.raises(ValueError, match=r"o_proj must be \[hidden, H_q\*4\]"):
-        projected_value_l1(inp.values, torch.zeros(8, 9))
+        policy.select(with_budget(inp, 6))
+    with pytest.raises(ValueError, match=r"o_proj must be \[hidden, H_q\*4\] with H_q a multiple of 1 KV heads, "
+                                         r"got shape \(8, 9\)"):
+        value_norms(inp.values[0], torch.zeros(8, 9))
+    with pytest.raises(ValueError, match=r"o_proj must be \[hidden, H_q\*4\] with H_q a multiple of 2 KV heads"):
+        value_norms(torch.zeros(2, 3, 4), torch.zeros(8, 12))  # 3 query heads for 2 KV heads
 
 
 # Hand-made example: 10 tokens, the last two protected; token 6 has little attention but a huge nu.
@@ -106,14 +124,14 @@ PROT = torch.tensor([[False] * 8 + [True] * 2])
 
 def test_two_stage_split_on_a_hand_made_example():
     # b = 6, alpha = 0.5: b1 = 3 of which 2 protected -> S1 = {0}; k2 = 3 by (s1 + eps) * nu -> {6, 1, 2}.
-    keep = two_stage_keep(S1, NU, PROT, budget=6, alpha=0.5, epsilon=1e-4)
+    keep = keep_one(S1, NU, PROT, budget=6, alpha=0.5, epsilon=1e-4)
     assert keep.tolist() == [[0, 1, 2, 6, 8, 9]]
     # Attention alone (alpha = 1) would keep token 3 rather than the low-attention token 6.
-    assert two_stage_keep(S1, NU, PROT, budget=6, alpha=1.0, epsilon=1e-4).tolist() == [[0, 1, 2, 3, 8, 9]]
+    assert keep_one(S1, NU, PROT, budget=6, alpha=1.0, epsilon=1e-4).tolist() == [[0, 1, 2, 3, 8, 9]]
     # b1 = floor(0.5 * 9) = 4 -> S1 = {0, 1}; k2 = 5 -> {6, 2, 3, 4, 5}
-    assert two_stage_keep(S1, NU, PROT, budget=9, alpha=0.5, epsilon=1e-4).tolist() == [[0, 1, 2, 3, 4, 5, 6, 8, 9]]
+    assert keep_one(S1, NU, PROT, budget=9, alpha=0.5, epsilon=1e-4).tolist() == [[0, 1, 2, 3, 4, 5, 6, 8, 9]]
     # b1 = floor(0.34 * 7) = 2 <= protected: no stage 1, k2 = 7 - 2 = 5 -> {6, 0, 1, 2, 3}
-    assert two_stage_keep(S1, NU, PROT, budget=7, alpha=0.34, epsilon=1e-4).tolist() == [[0, 1, 2, 3, 6, 8, 9]]
+    assert keep_one(S1, NU, PROT, budget=7, alpha=0.34, epsilon=1e-4).tolist() == [[0, 1, 2, 3, 6, 8, 9]]
 
 
 def test_stage_one_protects_high_attention_from_stage_two():
@@ -122,13 +140,13 @@ def test_stage_one_protects_high_attention_from_stage_two():
     s1 = torch.tensor([[0.6, 0.2, 0.1, 0.05, 0.05]])
     nu = torch.tensor([[0.01, 1.0, 10.0, 10.0, 9.0]])
     none = torch.zeros(1, 5, dtype=torch.bool)
-    assert two_stage_keep(s1, nu, none, budget=4, alpha=0.5, epsilon=0.0).tolist() == [[0, 1, 2, 3]]
-    assert two_stage_keep(s1, nu, none, budget=3, alpha=0.5, epsilon=0.0).tolist() == [[0, 2, 3]]
+    assert keep_one(s1, nu, none, budget=4, alpha=0.5, epsilon=0.0).tolist() == [[0, 1, 2, 3]]
+    assert keep_one(s1, nu, none, budget=3, alpha=0.5, epsilon=0.0).tolist() == [[0, 2, 3]]
     # epsilon lifts zero-attention tokens with a large nu into stage 2.
     s1 = torch.tensor([[0.5, 0.1, 0.0, 0.0]])
     nu = torch.tensor([[1.0, 1.0, 1e6, 1.0]])
-    assert two_stage_keep(s1, nu, torch.zeros(1, 4, dtype=torch.bool), 2, 0.5, 1e-4).tolist() == [[0, 2]]
-    assert two_stage_keep(s1, nu, torch.zeros(1, 4, dtype=torch.bool), 2, 0.5, 0.0).tolist() == [[0, 1]]
+    assert keep_one(s1, nu, torch.zeros(1, 4, dtype=torch.bool), 2, 0.5, 1e-4).tolist() == [[0, 2]]
+    assert keep_one(s1, nu, torch.zeros(1, 4, dtype=torch.bool), 2, 0.5, 0.0).tolist() == [[0, 1]]
 
 
 def test_policy_select_uses_mass_over_rows_and_state_nu():
@@ -136,10 +154,10 @@ def test_policy_select_uses_mass_over_rows_and_state_nu():
     inp = make_inputs(h_kv=1, group=1, n=10, d=4, w=4)
     policy = CriticalKV(FixedMass(S1 * 4, PROT, rows=4))
     policy.check_options()
-    inp = inp.with_state({"acc": torch.zeros(1, 10), "nu": NU})
-    torch.testing.assert_close(policy.stage1_scores(inp), S1)
-    assert policy.step(inp, 6).keep.tolist() == [[0, 1, 2, 6, 8, 9]]
-    s = policy.scores(inp)
+    inp = inp.with_state({"acc": torch.zeros(1, 1, 10), "nu": NU.unsqueeze(0)})
+    torch.testing.assert_close(policy.stage1_scores(inp), S1.unsqueeze(0))
+    assert step(policy, inp, 6).keep.tolist() == [[[0, 1, 2, 6, 8, 9]]]
+    s = policy.scores(inp)[0]
     assert torch.isinf(s[0, 8:]).all()
     torch.testing.assert_close(s[0, :8], ((S1 + 1e-4) * NU)[0, :8])
 
@@ -150,7 +168,7 @@ def test_snapkv_mass_is_normalised_by_window_rows():
     inp = with_initial_state(policy, inp)
     torch.testing.assert_close(policy.stage1_scores(inp), policy.base.attention_mass(inp) / 8)
     h2o = EvictionConfig.from_spec("criticalkv+h2o", budget=20).build_policy()
-    acc = torch.rand(2, 48)
+    acc = torch.rand(1, 2, 48)
     torch.testing.assert_close(h2o.stage1_scores(inp.with_state({"acc": acc})), acc / 48)  # seq_len rows
     tova = EvictionConfig.from_spec("criticalkv+tova", budget=20).build_policy()
     torch.testing.assert_close(tova.stage1_scores(inp), tova.base.attention_mass(inp))  # one row
@@ -166,7 +184,7 @@ def test_keeps_exactly_budget_protected_and_top_stage_one(seed):
     protected[:, -3:] = True  # at least 3, and a different count per head
     budget = int(torch.randint(12, 40, (1,), generator=gen))
     alpha = float(torch.rand(1, generator=gen)) * 0.9 + 0.1
-    keep = two_stage_keep(s1, nu, protected, budget, alpha, 1e-4)
+    keep = keep_one(s1, nu, protected, budget, alpha, 1e-4)
     assert keep.shape == (h, budget)
     b1 = math.floor(alpha * budget)
     for i in range(h):
@@ -188,10 +206,10 @@ def test_end_to_end_with_snapkv_keeps_window_and_budget():
     inp = make_inputs(h_kv=2, group=2, n=64, d=8, w=8, seed=5)
     policy = EvictionConfig.from_spec("criticalkv+snapkv", budget=24, window=8, pooling="max").build_policy()
     assert policy.base.pooling == "max"
-    result = policy.step(with_initial_state(policy, inp), 24)
-    assert result.keep.shape == (2, 24)
+    result = step(policy, with_initial_state(policy, inp), 24)
+    assert result.keep.shape == (1, 2, 24)
     for h in range(2):
-        assert set(range(56, 64)) <= set(result.keep[h].tolist())
+        assert set(range(56, 64)) <= set(result.keep[0, h].tolist())
     assert set(result.state) == {"nu"}
 
 
@@ -222,10 +240,10 @@ def test_every_meta_over_every_mass_base_keeps_budget_and_protection(meta, base)
     options = {"proxy": 8} if base == "nacl" else {}
     policy = EvictionConfig.from_spec(f"{meta}+{base}", budget=40, **options).build_policy()
     inp = with_initial_state(policy, inp)
-    result = policy.step(inp, 40)
-    assert result.keep.shape == (2, 40)
-    protected = policy.protected_mask(inp.with_state(result.state))
+    result = step(policy, inp, 40)
+    assert result.keep.shape == (1, 2, 40)
+    protected = policy.protected_mask(with_budget(inp.with_state(result.state), 40))
     for h in range(2):
-        kept = result.keep[h].tolist()
+        kept = result.keep[0, h].tolist()
         assert kept == sorted(set(kept))
-        assert set(protected[h].nonzero().flatten().tolist()) <= set(kept)
+        assert set(protected[0, h].nonzero().flatten().tolist()) <= set(kept)

@@ -8,16 +8,22 @@ import pytest
 import torch
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.policies.base import EvictionInputs, compact
+from vllm_evict.policies.base import EvictionInputs
 from vllm_evict.policies.h2o import H2O
 
-from .helpers import group_mean, make_inputs, naive_attention_rows, with_initial_state
+from .helpers import compact, group_mean, make_inputs, naive_rows_of, one_row, step, with_initial_state
 
 
 def naive_block_mass(inp: EvictionInputs) -> torch.Tensor:
-    """(1/G) sum_g sum_i A^(g)_ij over the step's queries, by hand: [H_kv, n] float64."""
-    rows = naive_attention_rows(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)
-    return group_mean(rows.sum(dim=1), inp.num_kv_heads)
+    """(1/G) sum_g sum_i A^(g)_ij over the step's queries of row 0, by hand: [H_kv, n] float64."""
+    return group_mean(naive_rows_of(inp).sum(dim=1), inp.num_kv_heads)
+
+
+def cut(full: EvictionInputs, n: int, queries: slice, num_new: int, state: dict | None = None) -> EvictionInputs:
+    """Row 0 of ``full`` restricted to its first ``n`` candidates and the queries ``queries``."""
+    return one_row(full.keys[0, :, :n], full.values[0, :, :n], full.positions[0, :, :n],
+                   full.queries[0, :, queries], full.query_positions[0, queries], full.scale,
+                   seq_len=n, num_new=num_new, state=state)
 
 
 def test_class_contract():
@@ -36,12 +42,11 @@ def test_uniform_attention_by_hand():
     """All-zero keys: query i sees positions 0..i uniformly, so column j collects sum_{i>=j} 1/(i+1)."""
     h = 1
     keys = torch.zeros(h, 4, 2)
-    inp = EvictionInputs(keys=keys, values=keys.clone(), positions=torch.arange(4).view(1, 4),
-                         queries=torch.randn(1, 4, 2), query_positions=torch.arange(4), scale=1.0,
-                         seq_len=4, num_new=4)
+    inp = one_row(keys, keys.clone(), torch.arange(4).view(1, 4), torch.randn(1, 4, 2), torch.arange(4),
+                  scale=1.0, seq_len=4, num_new=4)
     p = H2O()
     state = p.update_state(with_initial_state(p, inp))
-    expected = torch.tensor([[25 / 12, 13 / 12, 7 / 12, 3 / 12]])
+    expected = torch.tensor([[[25 / 12, 13 / 12, 7 / 12, 3 / 12]]])
     torch.testing.assert_close(state["acc"], expected)
     # Theorem D.1 of CAOTE: without eviction the total equals the number of queries processed.
     assert state["acc"].sum().item() == pytest.approx(4.0)
@@ -50,9 +55,12 @@ def test_uniform_attention_by_hand():
 def test_new_tokens_start_at_zero():
     p = H2O()
     keys = torch.randn(2, 5, 8)
-    init = p.init_state(keys, keys.clone(), None)
+    # acc is not computed from K/V: the engine writes 0 for every new token (``computed_state`` says which
+    # states init_state computes; the rest start at 0), and init_state returns nothing for it.
+    assert p.computed_state == () and p.init_state(keys, keys.clone(), None) == {}
+    init = with_initial_state(p, make_inputs(2, 1, n=5, d=8, w=5)).state
     assert set(init) == {"acc"}
-    assert init["acc"].shape == (2, 5) and init["acc"].dtype == torch.float32
+    assert init["acc"].shape == (1, 2, 5) and init["acc"].dtype == torch.float32
     assert torch.all(init["acc"] == 0)
 
 
@@ -63,24 +71,20 @@ def test_two_steps_equal_sum_of_explicit_column_sums(group):
     full = make_inputs(h_kv, group, n=10, d=d, w=10, seed=group)
     p = H2O()
 
-    first = EvictionInputs(keys=full.keys[:, :6], values=full.values[:, :6], positions=full.positions[:, :6],
-                           queries=full.queries[:, :6], query_positions=full.query_positions[:6],
-                           scale=full.scale, seq_len=6, num_new=6)
-    r1 = p.step(with_initial_state(p, first), budget=None)
+    first = cut(full, 6, slice(0, 6), num_new=6)
+    r1 = step(p, with_initial_state(p, first), None)
     assert r1.keep is None
-    torch.testing.assert_close(r1.state["acc"].double(), naive_block_mass(first), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r1.state["acc"][0].double(), naive_block_mass(first), rtol=1e-5, atol=1e-6)
 
-    new = p.init_state(full.keys[:, 6:], full.values[:, 6:], None)
-    second = EvictionInputs(keys=full.keys, values=full.values, positions=full.positions,
-                            queries=full.queries[:, 6:], query_positions=full.query_positions[6:],
-                            scale=full.scale, seq_len=10, num_new=4,
-                            state={"acc": torch.cat([r1.state["acc"], new["acc"]], dim=1)})
-    r2 = p.step(second, budget=None)
+    # The 4 new tokens enter with acc = 0.
+    second = cut(full, 10, slice(6, 10), num_new=4,
+                 state={"acc": torch.cat([r1.state["acc"][0], torch.zeros(h_kv, 4)], dim=1)})
+    r2 = step(p, second, None)
     expected = torch.cat([naive_block_mass(first), torch.zeros(h_kv, 4, dtype=torch.float64)], dim=1)
     expected += naive_block_mass(second)
-    torch.testing.assert_close(r2.state["acc"].double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r2.state["acc"][0].double(), expected, rtol=1e-5, atol=1e-6)
     # Equivalently: one pass over all 10 queries gives the same totals (accumulation is additive).
-    torch.testing.assert_close(r2.state["acc"].double(), naive_block_mass(full), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r2.state["acc"][0].double(), naive_block_mass(full), rtol=1e-5, atol=1e-6)
 
 
 def test_causal_mask_by_position():
@@ -88,11 +92,10 @@ def test_causal_mask_by_position():
     inp = make_inputs(1, 2, n=6, d=4, w=1, seed=3)
     # Shuffle the slots and ask about a query at position 2: keys at positions 3, 4, 5 must get nothing.
     perm = torch.tensor([[4, 0, 5, 2, 1, 3]])
-    inp = EvictionInputs(keys=inp.keys[:, perm[0]], values=inp.values[:, perm[0]], positions=perm,
-                         queries=inp.queries, query_positions=torch.tensor([2]), scale=inp.scale,
-                         seq_len=6, num_new=1)
+    inp = one_row(inp.keys[0][:, perm[0]], inp.values[0][:, perm[0]], perm, inp.queries[0], torch.tensor([2]),
+                  inp.scale, seq_len=6, num_new=1)
     p = H2O()
-    acc = p.update_state(with_initial_state(p, inp))["acc"]
+    acc = p.update_state(with_initial_state(p, inp))["acc"][0]
     assert torch.all(acc[perm >= 3] == 0)
     assert torch.all(acc[perm < 3] > 0)
     assert acc.sum().item() == pytest.approx(1.0)
@@ -102,31 +105,29 @@ def test_state_survives_compaction_and_positions_stay_logical():
     """Evict, compact the state with the KV, then accumulate again over non-contiguous positions."""
     p = H2O()
     full = make_inputs(1, 3, n=12, d=8, w=12, seed=7)
-    first = EvictionInputs(keys=full.keys[:, :8], values=full.values[:, :8], positions=full.positions[:, :8],
-                           queries=full.queries[:, :8], query_positions=full.query_positions[:8],
-                           scale=full.scale, seq_len=8, num_new=8)
-    r1 = p.step(with_initial_state(p, first), budget=5)
-    assert r1.keep.shape == (1, 5)
+    first = cut(full, 8, slice(0, 8), num_new=8)
+    r1 = step(p, with_initial_state(p, first), 5)
+    assert r1.keep.shape == (1, 1, 5)
+    keep, acc1 = r1.keep[0], r1.state["acc"][0]
     # The survivors are the 5 largest accumulated masses.
-    expected_keep = torch.sort(torch.topk(r1.state["acc"], 5, dim=-1).indices, dim=-1).values
-    assert torch.equal(r1.keep, expected_keep)
-    keys = torch.cat([compact(first.keys, r1.keep), full.keys[:, 8:]], dim=1)
-    values = torch.cat([compact(first.values, r1.keep), full.values[:, 8:]], dim=1)
-    positions = torch.cat([compact(first.positions, r1.keep), full.positions[:, 8:]], dim=1)
-    acc = torch.cat([compact(r1.state["acc"], r1.keep), torch.zeros(1, 4)], dim=1)
-    second = EvictionInputs(keys=keys, values=values, positions=positions, queries=full.queries[:, 8:],
-                            query_positions=full.query_positions[8:], scale=full.scale, seq_len=12,
-                            num_new=4, state={"acc": acc})
-    r2 = p.step(second, budget=None)
+    expected_keep = torch.sort(torch.topk(acc1, 5, dim=-1).indices, dim=-1).values
+    assert torch.equal(keep, expected_keep)
+    keys = torch.cat([compact(first.keys[0], keep), full.keys[0, :, 8:]], dim=1)
+    values = torch.cat([compact(first.values[0], keep), full.values[0, :, 8:]], dim=1)
+    positions = torch.cat([compact(first.positions[0], keep), full.positions[0, :, 8:]], dim=1)
+    acc = torch.cat([compact(acc1, keep), torch.zeros(1, 4)], dim=1)
+    second = one_row(keys, values, positions, full.queries[0, :, 8:], full.query_positions[0, 8:], full.scale,
+                     seq_len=12, num_new=4, state={"acc": acc})
+    r2 = step(p, second, None)
     expected = acc.double() + naive_block_mass(second)
-    torch.testing.assert_close(r2.state["acc"].double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r2.state["acc"][0].double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_state_updated_every_step_and_input_untouched():
     p = H2O()
     inp = with_initial_state(p, make_inputs(2, 3, n=9, d=8, w=3, seed=1))
     before = inp.state["acc"].clone()
-    r = p.step(inp, budget=None)  # no eviction, but the accumulator must still move
+    r = step(p, inp, None)  # no eviction, but the accumulator must still move
     assert r.keep is None
     assert torch.all(r.state["acc"] > 0)
     assert torch.equal(inp.state["acc"], before)
@@ -136,15 +137,15 @@ def test_scores_and_protection():
     p = EvictionConfig.from_spec("h2o", 6, recent=2, sinks=1).build_policy()
     assert isinstance(p, H2O) and p.recent == 2 and p.sinks == 1
     inp = make_inputs(2, 3, n=12, d=8, w=12, seed=5)
-    r = p.step(with_initial_state(p, inp), budget=6)
+    r = step(p, with_initial_state(p, inp), 6)
     for h in range(2):
-        kept = set(r.keep[h].tolist())
+        kept = set(r.keep[0, h].tolist())
         assert {0, 10, 11} <= kept  # sink position 0 and the 2 most recent
         # The other 3 are the heaviest of the unprotected tokens.
-        acc = r.state["acc"][h].clone()
+        acc = r.state["acc"][0, h].clone()
         acc[[0, 10, 11]] = float("-inf")
         assert kept - {0, 10, 11} == set(torch.topk(acc, 3).indices.tolist())
-    s = p.scores(inp.with_state(r.state))
+    s = p.scores(inp.with_state(r.state))[0]
     assert torch.isinf(s[:, [0, 10, 11]]).all() and torch.isfinite(s[:, 1:10]).all()
     torch.testing.assert_close(p.attention_mass(inp.with_state(r.state)), r.state["acc"])
 

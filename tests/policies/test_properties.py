@@ -1,5 +1,7 @@
-"""Contract properties every registered policy (and every meta score over snapkv and h2o) must satisfy,
-over random shapes, GQA group sizes, phases and budgets (see ``vllm_evict/policies/base.py``)."""
+"""Contract properties every registered policy (and every meta score over every attention-mass base) must satisfy,
+over random batches: R >= 1 rows of different lengths padded to a common width (junk in the padding),
+windows in ring order with empty entries, GQA group sizes, phases and per-row budgets (see
+``vllm_evict/policies/base.py``)."""
 
 from __future__ import annotations
 
@@ -12,33 +14,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.policies import BASE_POLICIES, META_POLICIES
 from vllm_evict.policies.base import EvictionInputs, Phase, Policy
 
-from .helpers import make_inputs, window_for, with_initial_state
-
-# Smaller protected windows than the paper defaults, so that budgets below n = 80 are possible.
-SMALL_OPTIONS: dict[str, dict] = {"snapkv": {"window": 4}, "ahakv": {"recent": 4}}
-META_BASES = ("snapkv", "h2o")
-
-SPECS = list(BASE_POLICIES) + [f"{meta}+{base}" for meta in META_POLICIES for base in META_BASES]
+from .helpers import (SPECS, build, check_keep_layout, make_inputs, options_for, stack_rows, window_for, with_budget,
+                      with_initial_state)
 
 # Deterministic, slot-order-free policies: permuting the slots must permute the scores.
-EQUIVARIANT = ("snapkv", "h2o", "tova", "streamingllm", "knorm", "keydiff")
+EQUIVARIANT = ("snapkv", "h2o", "tova", "streamingllm", "knorm", "keydiff", "ahakv")
 
+MAX_LEN = 48
 SETTINGS = settings(max_examples=25, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def options_for(spec: str) -> dict:
-    return dict(SMALL_OPTIONS.get(spec.split("+")[-1], {}))
-
-
 @functools.lru_cache(maxsize=None)
-def valid_budgets(spec: str, n: int) -> tuple[int, ...]:
-    """Budgets up to n + 3 that ``from_spec`` accepts (the protected tokens must fit)."""
+def valid_budgets(spec: str) -> tuple[int, ...]:
+    """Budgets up to MAX_LEN that ``from_spec`` accepts (the protected tokens must fit)."""
     out = []
-    for budget in range(1, n + 4):
+    for budget in range(1, MAX_LEN + 1):
         try:
             EvictionConfig.from_spec(spec, budget, **options_for(spec))
         except ValueError:
@@ -47,36 +40,60 @@ def valid_budgets(spec: str, n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@dataclasses.dataclass
+class Case:
+    h_kv: int
+    group: int
+    d: int
+    phase: Phase
+    layer: int
+    lengths: list[int]
+    num_new: list[int]
+    seeds: list[int]
+    budgets: list[int] | None  # None: a step that evicts nothing
+    pad: int  # padding slots beyond the longest row
+    pad_window: int  # empty window entries beyond the widest row
+    roll: bool  # window entries in ring order
+
+
 @st.composite
-def cases(draw, spec: str):
-    """(budget, inputs builder) for one step of ``spec``."""
-    h_kv = draw(st.integers(1, 3))
-    group = draw(st.sampled_from([1, 3, 7]))
-    d = draw(st.sampled_from([8, 16]))
-    n = draw(st.integers(1, 80))
-    budgets = valid_budgets(spec, n)
-    if not budgets:
-        budgets = valid_budgets(spec, 80)
-        n = 80
-    budget = draw(st.sampled_from(budgets))
+def cases(draw, spec: str) -> Case:
+    """One step of ``spec`` over 1-3 rows; when evicting, each row's budget is valid and <= its length."""
+    evicting = draw(st.booleans())
+    low = min(valid_budgets(spec)) if evicting else 1
+    rows = draw(st.integers(1, 3))
     phase = draw(st.sampled_from(list(Phase)))
-    num_new = 1 if phase is Phase.DECODE else draw(st.integers(1, n))
-    seed = draw(st.integers(0, 2 ** 31 - 1))
-    layer = draw(st.integers(0, 3))
-    return budget, dict(h_kv=h_kv, group=group, n=n, d=d, num_new=num_new, seed=seed, layer=layer, phase=phase)
+    lengths = [draw(st.integers(low, MAX_LEN)) for _ in range(rows)]
+    num_new = [1 if phase is Phase.DECODE else draw(st.integers(1, n)) for n in lengths]
+    budgets = None
+    if evicting:
+        budgets = [draw(st.sampled_from([b for b in valid_budgets(spec) if b <= n])) for n in lengths]
+    return Case(h_kv=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 3, 7])), d=draw(st.sampled_from([8, 16])),
+                phase=phase, layer=draw(st.integers(0, 3)), lengths=lengths, num_new=num_new,
+                seeds=[draw(st.integers(0, 2 ** 31 - 1)) for _ in range(rows)], budgets=budgets,
+                pad=draw(st.integers(0, 3)), pad_window=draw(st.integers(0, 2)), roll=draw(st.booleans()))
 
 
-def build(spec: str, budget: int) -> Policy:
-    return EvictionConfig.from_spec(spec, budget, **options_for(spec)).build_policy()
+def policy_for(spec: str, case: Case) -> Policy:
+    return build(spec, min(case.budgets) if case.budgets else min(valid_budgets(spec)))
 
 
-def inputs_for(policy: Policy, h_kv, group, n, d, num_new, seed, layer, phase) -> EvictionInputs:
-    w = window_for(policy, n, num_new)
-    inp = make_inputs(h_kv, group, n, d, w, seed=seed, phase=phase)
-    # A longer prompt than the cache holds, as after earlier evictions (shift every position by 5).
-    inp = dataclasses.replace(inp, num_new=num_new, layer=layer, seq_len=n + 5,
-                              positions=inp.positions + 5, query_positions=inp.query_positions + 5)
+def row_inputs(policy: Policy, case: Case, r: int) -> EvictionInputs:
+    """Row r alone: a longer prompt than the cache holds, as after earlier evictions (positions + 5)."""
+    n, new = case.lengths[r], case.num_new[r]
+    inp = make_inputs(case.h_kv, case.group, n, case.d, window_for(policy, n, new), seed=case.seeds[r],
+                      phase=case.phase)
+    o_proj = make_inputs(case.h_kv, case.group, 1, case.d, 0, seed=case.seeds[0]).o_proj  # shared by the batch
+    inp = inp.evolve(num_new=torch.tensor([new]), layer=case.layer, seq_len=inp.seq_len + 5,
+                     positions=inp.positions + 5, query_positions=inp.query_positions + 5, o_proj=o_proj)
     return with_initial_state(policy, inp)
+
+
+def batch_for(policy: Policy, case: Case, junk_seed: int = 0) -> EvictionInputs:
+    rows = [row_inputs(policy, case, r) for r in range(len(case.lengths))]
+    window = max(r.queries.shape[2] for r in rows) + case.pad_window
+    inp = stack_rows(rows, width=max(case.lengths) + case.pad, window=window, junk_seed=junk_seed, roll=case.roll)
+    return with_budget(inp, case.budgets)
 
 
 def clone_inputs(inp: EvictionInputs) -> EvictionInputs:
@@ -88,20 +105,26 @@ def clone_inputs(inp: EvictionInputs) -> EvictionInputs:
     return EvictionInputs(**cloned)
 
 
+def real(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Each row's real slots of an [R, H, N] tensor."""
+    return [x[r, :, :n] for r, n in enumerate(lengths)]
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_step_contract(spec):
     @SETTINGS
     @given(case=cases(spec))
     def check(case):
-        budget, shape = case
-        policy = build(spec, budget)
-        inp = inputs_for(policy, **shape)
+        policy = policy_for(spec, case)
+        inp = batch_for(policy, case)
         original = clone_inputs(inp)
-        h_kv, n = shape["h_kv"], shape["n"]
+        rows, h_kv, width = len(case.lengths), case.h_kv, inp.width
+        shape = (rows, h_kv, width)
+        valid = inp.valid.expand(shape)
 
-        result = policy.step(inp, budget)
+        result = policy.step(inp)
 
-        # The inputs (K, V, queries, state) are not modified in place.
+        # The inputs (K, V, queries, budget, state) are not modified in place.
         for f in dataclasses.fields(inp):
             a, b = getattr(inp, f.name), getattr(original, f.name)
             if isinstance(a, torch.Tensor):
@@ -109,41 +132,85 @@ def test_step_contract(spec):
         assert inp.state.keys() == original.state.keys()
         assert all(torch.equal(inp.state[k], original.state[k]) for k in inp.state), f"{spec} mutated state"
 
-        # Every state tensor the policy declares covers the n candidates, in fp32.
+        # Every state tensor the policy declares covers every slot, in fp32.
         for name in policy.state_names:
             assert name in result.state, f"{spec} dropped state {name!r}"
-            assert result.state[name].shape == (h_kv, n) and result.state[name].dtype == torch.float32
+            assert result.state[name].shape == shape and result.state[name].dtype == torch.float32
 
-        if budget >= n:
+        if case.budgets is None:
             assert result.keep is None
             return
         keep = result.keep
-        assert keep is not None and keep.shape == (h_kv, budget) and keep.dtype == torch.int64
-        assert (keep >= 0).all() and (keep < n).all()
-        assert (keep[:, 1:] > keep[:, :-1]).all(), f"{spec}: keep must be strictly ascending (unique)"
+        assert keep is not None and keep.shape == (rows, h_kv, max(case.budgets))
+        check_keep_layout(keep, inp.budget, inp.lengths, width)  # no padding slot is ever kept
 
         # Protected tokens are always kept, and score +inf (asked as ``step`` asks: with the budget set).
-        scored = dataclasses.replace(inp, state=result.state, budget=budget)
+        scored = inp.with_state(result.state)
         protected = policy.protected_mask(scored)
-        assert protected.shape == (h_kv, n) and protected.dtype == torch.bool
-        kept = torch.zeros(h_kv, n, dtype=torch.bool).scatter_(1, keep, True)
+        assert protected.shape == shape and protected.dtype == torch.bool
+        assert not (protected & ~valid).any(), f"{spec} protects a padding slot"
+        kept = torch.zeros(rows, h_kv, width + 1, dtype=torch.bool).scatter_(2, keep, True)[..., :width]
         assert not (protected & ~kept).any(), f"{spec} evicted a protected token"
+        assert (kept.sum(dim=-1) == inp.budget.view(-1, 1)).all()
         scores = policy.scores(scored)
-        assert scores.shape == (h_kv, n) and scores.dtype == torch.float32
-        assert not torch.isnan(scores).any()
+        assert scores.shape == shape and scores.dtype == torch.float32
+        assert not torch.isnan(scores[valid]).any()
         assert torch.isposinf(scores[protected]).all()
 
         if policy.is_attention_mass:
             mass = policy.attention_mass(scored)
-            assert mass.shape == (h_kv, n) and torch.isfinite(mass).all() and (mass >= 0).all()
+            assert mass.shape == shape and torch.isfinite(mass).all() and (mass >= 0).all()
+            assert policy.mass_rows(scored).shape == (rows,)
 
         # Deterministic given the inputs and the seed: a fresh policy on fresh copies agrees exactly.
-        again = build(spec, budget).step(clone_inputs(original), budget)
+        again = policy_for(spec, case).step(clone_inputs(original))
         assert torch.equal(again.keep, keep)
         assert again.state.keys() == result.state.keys()
         assert all(torch.equal(again.state[k], result.state[k]) for k in result.state)
 
+        # Each row scores as it would alone (a 1-row batch without padding): the same protected tokens, and
+        # the same state and scores up to rounding (reductions over a padded axis may round differently).
+        for r, n in enumerate(case.lengths):
+            alone = with_budget(row_inputs(policy, case, r), case.budgets[r])
+            solo = policy.step(alone)
+            solo_scored = alone.with_state(solo.state)
+            assert torch.equal(policy.protected_mask(solo_scored)[0], protected[r, :, :n]), f"{spec} row {r}"
+            for k in solo.state:
+                torch.testing.assert_close(result.state[k][r, :, :n], solo.state[k][0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(scores[r, :, :n], policy.scores(solo_scored)[0], rtol=1e-5, atol=1e-6)
+
+        # Padding never leaks: other junk in every padding slot and empty window entry changes nothing
+        # on a real slot (same shapes, so the same arithmetic: bit for bit).
+        other = batch_for(policy, case, junk_seed=1)
+        assert torch.equal(other.keys, inp.keys) == all(n == width for n in case.lengths)
+        moved = policy.step(other)
+        assert torch.equal(moved.keep, keep), f"{spec}: padding changed the kept slots"
+        for k in result.state:
+            for a, b in zip(real(moved.state[k], case.lengths), real(result.state[k], case.lengths)):
+                assert torch.equal(a, b), f"{spec}: padding changed state {k!r} of a real slot"
+        for a, b in zip(real(policy.scores(other.with_state(moved.state)), case.lengths), real(scores, case.lengths)):
+            assert torch.equal(a, b), f"{spec}: padding changed a real slot's score"
+
     check()
+
+
+def permute_real_slots(inp: EvictionInputs, gen: torch.Generator) -> tuple[EvictionInputs, torch.Tensor]:
+    """The inputs with each row's real slots shuffled, differently per head (padding stays put), and the
+    permutation [R, H, N] (new slot j holds old slot perm[..., j])."""
+    rows, heads, width = inp.positions.shape
+    perm = torch.arange(width).repeat(rows, heads, 1)
+    for r in range(rows):
+        n = int(inp.lengths[r])
+        for h in range(heads):
+            perm[r, h, :n] = torch.randperm(n, generator=gen)
+
+    def move(x: torch.Tensor) -> torch.Tensor:
+        index = perm.view(*perm.shape, *([1] * (x.dim() - 3))).expand_as(x)
+        return torch.gather(x, 2, index)
+
+    shuffled = inp.evolve(keys=move(inp.keys), values=move(inp.values), positions=move(inp.positions),
+                          state={k: move(v) for k, v in inp.state.items()})
+    return shuffled, perm
 
 
 @pytest.mark.parametrize("spec", EQUIVARIANT)
@@ -152,24 +219,17 @@ def test_slot_order_does_not_matter(spec):
     @SETTINGS
     @given(case=cases(spec), perm_seed=st.integers(0, 2 ** 31 - 1))
     def check(case, perm_seed):
-        budget, shape = case
-        policy = build(spec, budget)
-        inp = inputs_for(policy, **shape)
-        h_kv, n = shape["h_kv"], shape["n"]
-        gen = torch.Generator().manual_seed(perm_seed)
-        perm = torch.stack([torch.randperm(n, generator=gen) for _ in range(h_kv)])  # differs per head
-        shuffled = dataclasses.replace(
-            inp, keys=torch.gather(inp.keys, 1, perm.unsqueeze(-1).expand_as(inp.keys)),
-            values=torch.gather(inp.values, 1, perm.unsqueeze(-1).expand_as(inp.values)),
-            positions=torch.gather(inp.positions, 1, perm),
-            state={k: torch.gather(v, 1, perm) for k, v in inp.state.items()})
+        policy = policy_for(spec, case)
+        inp = batch_for(policy, case)
+        shuffled, perm = permute_real_slots(inp, torch.Generator().manual_seed(perm_seed))
         state = policy.update_state(inp)
         state_shuffled = policy.update_state(shuffled)
         for k in state:
-            torch.testing.assert_close(state_shuffled[k], torch.gather(state[k], 1, perm), rtol=1e-5, atol=1e-6)
-        expected = torch.gather(policy.scores(inp.with_state(state)), 1, perm)
+            for a, b in zip(real(state_shuffled[k], case.lengths), real(torch.gather(state[k], 2, perm), case.lengths)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        expected = torch.gather(policy.scores(inp.with_state(state)), 2, perm)
         got = policy.scores(shuffled.with_state(state_shuffled))
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for a, b in zip(real(got, case.lengths), real(expected, case.lengths)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
     check()
-

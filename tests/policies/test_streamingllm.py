@@ -8,18 +8,17 @@ import pytest
 import torch
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.policies.base import EvictionInputs, compact
+from vllm_evict.policies.base import EvictionInputs
 from vllm_evict.policies.streamingllm import StreamingLLM
 
-from .helpers import make_inputs
+from .helpers import compact, make_inputs, one_row, step
 
 
 def inputs_at(positions: torch.Tensor, d: int = 4) -> EvictionInputs:
     h, n = positions.shape
     keys = torch.randn(h, n, d, generator=torch.Generator().manual_seed(n))
-    return EvictionInputs(keys=keys, values=keys.clone(), positions=positions,
-                          queries=torch.zeros(h, 0, d), query_positions=torch.zeros(0, dtype=torch.int64),
-                          scale=d ** -0.5, seq_len=int(positions.max()) + 1, num_new=1)
+    return one_row(keys, keys.clone(), positions, torch.zeros(h, 0, d), torch.zeros(0, dtype=torch.int64),
+                   scale=d ** -0.5, seq_len=int(positions.max()) + 1, num_new=1)
 
 
 def test_class_contract():
@@ -36,22 +35,22 @@ def test_keeps_first_sinks_and_last_recent():
     p = EvictionConfig.from_spec("streamingllm", 8).build_policy()
     assert isinstance(p, StreamingLLM)
     inp = make_inputs(2, 3, n=20, d=8, w=0)
-    keep = p.step(inp, budget=8).keep
-    expected = torch.tensor([0, 1, 2, 3, 16, 17, 18, 19]).expand(2, 8)
+    keep = step(p, inp, 8).keep
+    expected = torch.tensor([0, 1, 2, 3, 16, 17, 18, 19]).expand(1, 2, 8)
     assert torch.equal(keep, expected)
 
 
 def test_no_sinks_is_a_sliding_window():
     p = EvictionConfig.from_spec("streamingllm", 5, sinks=0).build_policy()
-    keep = p.step(make_inputs(1, 1, n=9, d=4, w=0), budget=5).keep
-    assert keep.tolist() == [[4, 5, 6, 7, 8]]
+    keep = step(p, make_inputs(1, 1, n=9, d=4, w=0), 5).keep
+    assert keep.tolist() == [[[4, 5, 6, 7, 8]]]
 
 
 def test_follows_logical_positions_not_slots():
     """Shuffled slots (different per head) and gaps left by earlier evictions."""
     positions = torch.tensor([[50, 2, 0, 51, 1, 9, 3, 30, 52],
                               [1, 52, 3, 0, 30, 2, 50, 51, 9]])
-    keep = StreamingLLM(sinks=3).step(inputs_at(positions), budget=6).keep
+    keep = step(StreamingLLM(sinks=3), inputs_at(positions), 6).keep[0]
     kept_positions = compact(positions, keep)
     for h in range(2):
         assert sorted(kept_positions[h].tolist()) == [0, 1, 2, 50, 51, 52]
@@ -62,8 +61,8 @@ def test_far_positions_stay_exact():
     """Positions beyond 2^24 collide in fp32; the ranking must still take exactly the newest."""
     base = 2 ** 30
     positions = torch.cat([torch.arange(4), base + torch.arange(12)]).view(1, -1)
-    keep = StreamingLLM().step(inputs_at(positions), budget=7).keep
-    assert keep.tolist() == [[0, 1, 2, 3, 13, 14, 15]]
+    keep = step(StreamingLLM(), inputs_at(positions), 7).keep
+    assert keep.tolist() == [[[0, 1, 2, 3, 13, 14, 15]]]
 
 
 def test_repeated_decode_steps_keep_sinks_and_window():
@@ -72,13 +71,13 @@ def test_repeated_decode_steps_keep_sinks_and_window():
     positions = torch.arange(6).view(1, 6)
     for new in range(6, 20):
         positions = torch.cat([positions, torch.tensor([[new]])], dim=1)
-        keep = p.step(inputs_at(positions), budget=6).keep
+        keep = step(p, inputs_at(positions), 6).keep[0]
         positions = compact(positions, keep)
         assert positions.tolist() == [[0, 1] + list(range(new - 3, new + 1))]
 
 
 def test_scores_protect_sinks():
-    s = StreamingLLM(sinks=2).scores(make_inputs(1, 1, n=6, d=4, w=0))
+    s = StreamingLLM(sinks=2).scores(make_inputs(1, 1, n=6, d=4, w=0))[0]
     assert torch.isinf(s[0, :2]).all()
     assert s[0, 2:].tolist() == [2.0, 3.0, 4.0, 5.0]
 

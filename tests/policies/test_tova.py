@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.policies.base import EvictionInputs
 from vllm_evict.policies.tova import TOVA
 
-from .helpers import group_mean, make_inputs, naive_attention_rows
+from .helpers import group_mean, make_inputs, naive_rows_of, one_row, step
 
 
 def test_class_contract():
@@ -27,47 +26,50 @@ def test_class_contract():
 @pytest.mark.parametrize("group", [1, 3, 7])
 def test_equals_explicit_softmax_row_of_last_query(group):
     inp = make_inputs(2, group, n=11, d=16, w=1, seed=group)
-    expected = group_mean(naive_attention_rows(inp.keys, inp.positions, inp.queries, inp.query_positions,
-                                               inp.scale)[:, -1], 2)
+    expected = group_mean(naive_rows_of(inp)[:, -1], 2)
     mass = TOVA().attention_mass(inp)
-    assert mass.dtype == torch.float32 and mass.shape == (2, 11)
-    torch.testing.assert_close(mass.double(), expected, rtol=1e-5, atol=1e-7)
+    assert mass.dtype == torch.float32 and mass.shape == (1, 2, 11)
+    torch.testing.assert_close(mass[0].double(), expected, rtol=1e-5, atol=1e-7)
     # One softmax row per query head: the group mean sums to 1 per KV head.
-    torch.testing.assert_close(mass.sum(dim=-1), torch.ones(2))
+    torch.testing.assert_close(mass.sum(dim=-1), torch.ones(1, 2))
+    assert TOVA().mass_rows(inp).tolist() == [1]
 
 
 def test_only_the_last_query_counts():
     """Handing over a longer window must not change the score: earlier queries are ignored."""
     wide = make_inputs(2, 3, n=10, d=8, w=4, seed=4)
-    last = EvictionInputs(keys=wide.keys, values=wide.values, positions=wide.positions,
-                          queries=wide.queries[:, -1:], query_positions=wide.query_positions[-1:],
-                          scale=wide.scale, seq_len=10, num_new=1)
+    keys, values, positions, queries, qpos = (wide.keys[0], wide.values[0], wide.positions[0], wide.queries[0],
+                                              wide.query_positions[0])
+    last = one_row(keys, values, positions, queries[:, -1:], qpos[-1:], wide.scale, seq_len=10, num_new=1)
     torch.testing.assert_close(TOVA().scores(wide), TOVA().scores(last))
     # ... and it really is the last one, not the first: a different last query changes the scores.
-    other = EvictionInputs(keys=wide.keys, values=wide.values, positions=wide.positions,
-                           queries=wide.queries[:, :1], query_positions=wide.query_positions[-1:],
-                           scale=wide.scale, seq_len=10, num_new=1)
+    other = one_row(keys, values, positions, queries[:, :1], qpos[-1:], wide.scale, seq_len=10, num_new=1)
     assert not torch.allclose(TOVA().scores(wide), TOVA().scores(other))
+    # The window is a ring buffer: the newest query is found by its position, wherever it sits.
+    order = torch.tensor([2, 3, 0, 1])
+    ring = one_row(keys, values, positions, queries[:, order], qpos[order], wide.scale, seq_len=10, num_new=1)
+    torch.testing.assert_close(TOVA().scores(ring), TOVA().scores(last))
 
 
 def test_uniform_attention_and_causality_by_hand():
     """Zero keys: the last query (at position 2) spreads 1/3 over positions 0..2; later positions get 0."""
     keys = torch.zeros(1, 5, 4)
     positions = torch.tensor([[3, 0, 4, 2, 1]])  # slots shuffled, as after compaction
-    inp = EvictionInputs(keys=keys, values=keys.clone(), positions=positions, queries=torch.randn(2, 1, 4),
-                         query_positions=torch.tensor([2]), scale=0.5, seq_len=5, num_new=1)
-    torch.testing.assert_close(TOVA().attention_mass(inp), torch.tensor([[0, 1 / 3, 0, 1 / 3, 1 / 3]]))
+    # seq_len 3: the newest query is the one at position 2 (TOVA finds it by its position).
+    inp = one_row(keys, keys.clone(), positions, torch.randn(2, 1, 4), torch.tensor([2]), scale=0.5, seq_len=3,
+                  num_new=1)
+    torch.testing.assert_close(TOVA().attention_mass(inp), torch.tensor([[[0, 1 / 3, 0, 1 / 3, 1 / 3]]]))
 
 
 def test_keep_is_top_attention_with_protection():
     p = EvictionConfig.from_spec("tova", 5, sinks=2, recent=1).build_policy()
     assert isinstance(p, TOVA)
     inp = make_inputs(3, 7, n=14, d=8, w=1, seed=9)
-    r = p.step(inp, budget=5)
-    assert r.keep.shape == (3, 5) and r.state == {}
-    mass = p.attention_mass(inp)
+    r = step(p, inp, 5)
+    assert r.keep.shape == (1, 3, 5) and r.state == {}
+    mass = p.attention_mass(inp)[0]
     for h in range(3):
-        kept = set(r.keep[h].tolist())
+        kept = set(r.keep[0, h].tolist())
         assert {0, 1, 13} <= kept
         free = mass[h].clone()
         free[[0, 1, 13]] = float("-inf")
@@ -77,7 +79,7 @@ def test_keep_is_top_attention_with_protection():
 def test_unprotected_keep_is_plain_topk():
     p = EvictionConfig.from_spec("tova", 4).build_policy()
     inp = make_inputs(2, 3, n=12, d=8, w=1, seed=2)
-    keep = p.step(inp, budget=4).keep
+    keep = step(p, inp, 4).keep
     expected = torch.sort(torch.topk(p.attention_mass(inp), 4, dim=-1).indices, dim=-1).values
     assert torch.equal(keep, expected)
 
@@ -103,8 +105,8 @@ def test_budget_must_exceed_protected():
 def test_group_masses_per_query_head():
     """The per-query-head rows (for CAOTE's head mode) are the explicit softmax rows, and their mean is the mass."""
     inp = make_inputs(2, 3, n=9, d=8, w=2, seed=6)
-    rows = naive_attention_rows(inp.keys, inp.positions, inp.queries, inp.query_positions, inp.scale)[:, -1]
+    rows = naive_rows_of(inp)[:, -1]
     per_head = TOVA().group_masses(inp)
-    assert per_head.shape == (2, 3, 9)
-    torch.testing.assert_close(per_head.double(), rows.view(2, 3, 9), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(per_head.mean(dim=1), TOVA().attention_mass(inp))
+    assert per_head.shape == (1, 2, 3, 9)
+    torch.testing.assert_close(per_head[0].double(), rows.view(2, 3, 9), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(per_head.mean(dim=2), TOVA().attention_mass(inp))
