@@ -110,7 +110,7 @@ def keydiff_scores(keys: Tensor, lengths: Tensor) -> Tensor:
     change the ranking and is ill-conditioned when ‖μ‖ ≈ 0, so it is left out."""
     n = keys.shape[2]
     valid = valid_slots(lengths, n)  # [R, 1, N]
-    khat = normalised_keys(keys) * valid.unsqueeze(-1)
+    khat = normalised_keys(keys).masked_fill(~valid.unsqueeze(-1), 0.0)  # padding may hold anything
     anchor = khat.sum(dim=2, keepdim=True) / lengths.clamp_min(1).view(-1, 1, 1, 1).float()
     scores = -(khat * anchor).sum(dim=-1)
     return scores.masked_fill(~valid, float("-inf"))
@@ -119,7 +119,7 @@ def keydiff_scores(keys: Tensor, lengths: Tensor) -> Tensor:
 # ---- CAOTE -----------------------------------------------------------------------------------------
 def normalise_mass(mass: Tensor, valid: Tensor) -> Tensor:
     """α = h / Σh over each row's candidates (last axis); uniform where the mass sums to zero; 0 on padding."""
-    h = mass.float().clamp_min(0.0) * valid  # rounding can leave a tiny negative; a mass is >= 0
+    h = mass.float().clamp_min(0.0).masked_fill(~valid, 0.0)  # rounding can leave a tiny negative; a mass is >= 0
     total = h.sum(dim=-1, keepdim=True)
     count = valid.sum(dim=-1, keepdim=True).clamp_min(1)
     uniform = valid / count
@@ -143,7 +143,7 @@ def output_error(alpha: Tensor, values: Tensor, lengths: Tensor, fast: bool = Fa
     X = Σ_j α_j v_j (``fast``: the plain mean of the row's values). fp32 [R, H, N], -inf on padding."""
     n = values.shape[2]
     valid = valid_slots(lengths, n)
-    v = values.float() * valid.unsqueeze(-1)
+    v = values.float().masked_fill(~valid.unsqueeze(-1), 0.0)
     if fast:
         center = v.sum(dim=2) / lengths.clamp_min(1).view(-1, 1, 1).float()
     else:
@@ -177,7 +177,8 @@ def value_norms(values: Tensor, o_proj: Tensor) -> Tensor:
 
 # ---- masks, pooling, selection ---------------------------------------------------------------------
 def recent_mask(positions: Tensor, valid: Tensor, count: Tensor | int) -> Tensor:
-    """Bool [R, H, N]: the ``count`` candidates (per row: int or [R]) with the largest logical positions."""
+    """Bool [R, H, N]: candidates within the last ``count`` logical positions of their row (per row: an
+    int or [R]): position > newest - count."""
     newest = positions.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
     threshold = newest - torch.as_tensor(count, device=positions.device).view(-1, 1, 1)
     return valid & (positions > threshold)
@@ -232,7 +233,7 @@ def mean_pool_in_position_order(values: Tensor, positions: Tensor, valid: Tensor
         flat = x.reshape(-1, 1, x.shape[-1])
         return F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(x.shape)
 
-    total = _in_position_order(values.float() * weight, order, window_sum)
+    total = _in_position_order(values.float().masked_fill(~valid, 0.0), order, window_sum)
     count = _in_position_order(weight, order, window_sum)
     return torch.where(valid, total / count.clamp_min(1e-30), torch.zeros_like(total))
 

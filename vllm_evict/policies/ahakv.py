@@ -134,7 +134,7 @@ class AhaKV(Policy):
         return self.refined_score(inp)
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        return self.ranking(inp).clamp_min(0.0) * inp.valid
+        return self.ranking(inp).clamp_min(0.0).masked_fill(~inp.valid, 0.0)
 
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         """Its mass sums SG-softmax rows over the last ``recent`` queries AND over the G heads of the group

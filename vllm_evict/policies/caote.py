@@ -77,7 +77,7 @@ class CAOTE(MetaPolicy):
         """Per query head errors combined in quadrature over the group: [R, H_kv, N]."""
         valid = inp.valid.unsqueeze(2)  # [R, 1, 1, N]
         alpha = dense.normalise_mass(self.base.group_masses(inp), valid)  # [R, H_kv, G, N]
-        values = inp.values.float() * inp.valid.unsqueeze(-1)
+        values = inp.values.float().masked_fill(~inp.valid.unsqueeze(-1), 0.0)
         if self.fast:  # one mean for the whole group
             center = (values.sum(dim=2) / inp.lengths.clamp_min(1).view(-1, 1, 1).float()).unsqueeze(2)
             center = center.expand(-1, -1, alpha.shape[2], -1)

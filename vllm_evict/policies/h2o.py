@@ -40,7 +40,7 @@ class H2O(SinksAndRecent):
         return {**inp.state, "acc": inp.state["acc"].float() + mean}
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        return inp.state["acc"].float() * inp.valid
+        return inp.state["acc"].float().masked_fill(~inp.valid, 0.0)
 
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         """Every query the request has processed."""

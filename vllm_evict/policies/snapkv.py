@@ -45,7 +45,7 @@ class SnapKV(Policy):
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """Pooled over the whole token axis, window tokens included, so the mass is finite everywhere:
         CAOTE needs that for its normalisation (caote.md §3.1)."""
-        return self._pool(self.window_mass(inp), inp)
+        return self._pool(self.window_mass(inp), inp).masked_fill(~inp.valid, 0.0)
 
     def group_masses(self, inp: EvictionInputs) -> Tensor:
         """``attention_mass`` before the group mean: window column sums pooled per query head
