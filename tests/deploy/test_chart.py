@@ -108,9 +108,12 @@ def test_large_budget_renders_as_an_integer() -> None:
     assert flag(args, "--kv-budget") == "1000000"
 
 
-def test_policy_none_serves_plain_vllm() -> None:
-    args = server_container(profile("cpu"), values_file("no-eviction"))["args"]
+@pytest.mark.parametrize("eviction", [values_file("no-eviction"), {"eviction": {"policy": None, "budget": None}}],
+                         ids=["none", "unset"])
+def test_policy_none_or_unset_serves_plain_vllm(eviction: Any) -> None:
+    args = server_container(profile("cpu"), eviction)["args"]
     assert not [a for a in args if a.startswith("--kv-")], args
+    assert args[:2] == ["/models/model", "--served-model-name"]
 
 
 def test_cpu_profile() -> None:

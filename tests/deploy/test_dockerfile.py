@@ -166,3 +166,16 @@ def test_build_context_leaves_out_venv_and_models() -> None:
     assert sources == {"pyproject.toml", "README.md", "vllm_evict", "kernels", "csrc"}
     for path in sources:
         assert f"!{path}" in ignore or f"!{path}/" in ignore, f"COPY {path} but the .dockerignore leaves it out"
+
+
+def test_deploy_tool_pins() -> None:
+    """The tools these tests run: pinned alike in the Makefile and pyproject's `deploy` extra, and installed."""
+    import tomllib
+    from importlib.metadata import version
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deploy"]
+    makefile = re.search(r"^DEPLOY_DEPS\s*:=\s*(.+)$", (REPO / "Makefile").read_text(), re.M)
+    assert makefile is not None and makefile.group(1).split() == extra
+    for pin in extra:
+        name, wanted = pin.split("==")
+        assert version(name) == wanted, f"{name} {version(name)} is installed, {wanted} is pinned: make install"

@@ -34,6 +34,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: vllm-evict
 {{- end }}
 
+{{/* The eviction policy; unset (null) means "none": plain vLLM. */}}
+{{- define "vllm-evict.policy" -}}
+{{- .Values.eviction.policy | default "none" }}
+{{- end }}
+
 {{- define "vllm-evict.servedModelName" -}}
 {{- default .Values.model.path .Values.model.servedModelName }}
 {{- end }}
@@ -84,9 +89,9 @@ app.kubernetes.io/part-of: vllm-evict
 {{- if .Values.vllmConfig.enforceEager }}
 - --enforce-eager
 {{- end }}
-{{- if ne .Values.eviction.policy "none" }}
+{{- if ne (include "vllm-evict.policy" .) "none" }}
 - --kv-eviction
-- {{ .Values.eviction.policy | quote }}
+- {{ include "vllm-evict.policy" . | quote }}
 - --kv-budget
 - {{ .Values.eviction.budget | int | quote }}
 {{- if .Values.eviction.config }}
