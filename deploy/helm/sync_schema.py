@@ -10,7 +10,10 @@ server would refuse by name:
   (the same rule ``vllm_evict.config.build_policy`` applies);
 * ``eviction.config.properties``: the engine options (schedule, slack, seed) and every policy option
   name, typed after its default value. Which option applies to which policy is checked by the server
-  at start-up; the schema only refuses names no policy knows and values of the wrong type.
+  at start-up; the schema only refuses names no policy knows and values of the wrong type;
+* ``eviction.allOf``: the smallest budget each policy accepts with its default options (the budget must
+  exceed the tokens it always keeps, e.g. SnapKV's window of 32), applied while eviction.config sets no
+  policy option (with policy options the server checks the budget at start-up).
 """
 
 from __future__ import annotations
@@ -78,19 +81,52 @@ def config_properties() -> dict[str, dict[str, Any]]:
     return {**engine, **props}
 
 
+def min_budget(spec: str, limit: int = 1 << 16) -> int:
+    """The smallest budget ``spec`` accepts with its default options."""
+    from vllm_evict.config import EvictionConfig
+
+    for budget in range(1, limit):
+        try:
+            EvictionConfig.from_spec(spec, budget)
+            return budget
+        except ValueError:
+            continue
+    raise RuntimeError(f"{spec} accepts no budget below {limit}")
+
+
+def budget_rules() -> list[dict[str, Any]]:
+    """One if/then per smallest budget above 1: policies in the group, no policy option set -> minimum."""
+    from vllm_evict.config import ENGINE_OPTIONS
+
+    groups: dict[int, list[str]] = {}
+    for spec in policy_names()[1:]:
+        groups.setdefault(min_budget(spec), []).append(spec)
+    rules = []
+    for minimum in sorted(m for m in groups if m > 1):
+        rules.append({
+            "if": {"required": ["policy"],
+                   "properties": {"policy": {"enum": groups[minimum]},
+                                  "config": {"propertyNames": {"enum": list(ENGINE_OPTIONS)}}}},
+            "then": {"properties": {"budget": {"minimum": minimum}}},
+        })
+    return rules
+
+
 def synced(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``schema`` with the registry-derived parts replaced."""
     out = json.loads(json.dumps(schema))
-    eviction = out["properties"]["eviction"]["properties"]
-    eviction["policy"]["enum"] = policy_names()
-    eviction["config"]["properties"] = config_properties()
+    eviction = out["properties"]["eviction"]
+    eviction["properties"]["policy"]["enum"] = policy_names()
+    eviction["properties"]["config"]["properties"] = config_properties()
+    eviction["allOf"] = budget_rules()
     return out
 
 
 def differences(schema: dict[str, Any]) -> list[str]:
     """What the registry says that ``schema`` does not, one line each (empty: in sync)."""
-    want = synced(schema)["properties"]["eviction"]["properties"]
-    have = schema["properties"]["eviction"]["properties"]
+    want_eviction = synced(schema)["properties"]["eviction"]
+    have_eviction = schema["properties"]["eviction"]
+    want, have = want_eviction["properties"], have_eviction["properties"]
     lines = []
     missing = [p for p in want["policy"]["enum"] if p not in have["policy"].get("enum", [])]
     extra = [p for p in have["policy"].get("enum", []) if p not in want["policy"]["enum"]]
@@ -103,6 +139,8 @@ def differences(schema: dict[str, Any]) -> list[str]:
         if want_props.get(option) != have_props.get(option):
             lines.append(f"eviction.config.{option}: registry {want_props.get(option)!r}, "
                          f"schema {have_props.get(option)!r}")
+    if want_eviction["allOf"] != have_eviction.get("allOf"):
+        lines.append("eviction.allOf: the smallest budgets per policy differ from the registry's")
     return lines
 
 

@@ -25,6 +25,13 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("meta score over a base it cannot wrap", {"eviction": {"policy": "caote+knorm"}}, POLICY_ENUM),
     ("budget 0", {"eviction": {"budget": 0}}, "at '/eviction/budget': minimum: got 0, want 1"),
     ("negative budget", {"eviction": {"budget": -5}}, "at '/eviction/budget': minimum: got -5, want 1"),
+    ("budget not above the tokens snapkv always keeps", {"eviction": {"policy": "snapkv", "budget": 32}},
+     "at '/eviction/budget': minimum: got 32, want 33"),
+    ("budget not above caote+snapkv's window (the default policy)", {"eviction": {"budget": 16}},
+     "at '/eviction/budget': minimum: got 16, want 33"),
+    ("budget not above streamingllm's sinks", {"eviction": {"policy": "streamingllm", "budget": 4,
+                                                              "config": {"schedule": "chunked"}}},
+     "at '/eviction/budget': minimum: got 4, want 5"),
     ("budget as text", {"eviction": {"budget": "2k"}}, "at '/eviction/budget': got string, want integer"),
     # null deletes the default budget (helm's rule for null values), so the budget is missing.
     ("no budget with a policy", {"eviction": {"policy": "keydiff", "budget": None}},
@@ -107,9 +114,12 @@ def test_templates_refuse(sources: list[Any], message: str) -> None:
 def test_every_good_setting_renders() -> None:
     """The refusals above are specific: the nearest good values render (guards against a schema that
     refuses everything)."""
-    for values in ({"eviction": {"policy": "snapkv", "budget": 1}}, {"eviction": {"policy": "none", "budget": None}},
+    for values in ({"eviction": {"policy": "keydiff", "budget": 1}}, {"eviction": {"policy": "none", "budget": None}},
                    {"eviction": {"config": {"window": 16, "schedule": "oneshot", "slack": 1, "seed": 3}}},
                    {"eviction": {"policy": "criticalkv+nacl", "config": {"alpha": 0.25, "proxy": 64}}},
+                   {"eviction": {"policy": "snapkv", "budget": 33}},
+                   # A smaller window: the budget is the server's to check (at start-up).
+                   {"eviction": {"policy": "snapkv", "budget": 16, "config": {"window": 8}}},
                    {"model": {"path": "/models/a/b", "source": "initContainer"}},
                    {"vllmConfig": {"extraArgs": ["--kv-cache-dtype", "auto", "--max-num-seqs=8"]}}):
         assert render_manifests(values)

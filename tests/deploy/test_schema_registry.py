@@ -70,6 +70,22 @@ def test_every_combination_left_out_is_refused_by_the_server_config() -> None:
     assert allowed - set(candidates) == {"none"}
 
 
+def test_smallest_budgets_are_exact() -> None:
+    """The schema's per-policy minimum budget is the server's: one less is refused, it and every larger
+    budget (up to 512) are accepted."""
+    rules = schema()["properties"]["eviction"]["allOf"]
+    minimum = {spec: rule["then"]["properties"]["budget"]["minimum"]
+               for rule in rules for spec in rule["if"]["properties"]["policy"]["enum"]}
+    for spec in policy_enum()[1:]:
+        low = minimum.get(spec, 1)
+        if low > 1:
+            with pytest.raises(ValueError, match=f"budget {low - 1} "):
+                EvictionConfig.from_spec(spec, low - 1)
+        for budget in range(low, 513):
+            EvictionConfig.from_spec(spec, budget)
+    assert minimum["snapkv"] == 33 and minimum["caote+snapkv"] == 33 and "keydiff" not in minimum
+
+
 def test_config_options_cover_every_policy_option() -> None:
     properties = schema()["properties"]["eviction"]["properties"]["config"]["properties"]
     for name in [*BASE_POLICIES, *META_POLICIES]:
