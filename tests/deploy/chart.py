@@ -27,7 +27,8 @@ VALUES = Path(__file__).resolve().parent / "values"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 RELEASE = "demo"
 NAMESPACE = "llm"
-# The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
+# The oldest Kubernetes the chart is checked against (its 1.29 schemas accept every field rendered) and the
+# newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
 # Kinds whose schema is not Kubernetes' own: kind -> schema file under SCHEMAS.
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json"}
