@@ -193,16 +193,18 @@ def uses_alibi(hf_config: Any, architectures: list[str] | None) -> bool:
 
 # ---- start-up memory check ----------------------------------------------------------------------
 def startup_length_bound(vllm_config: Any) -> int | None:
-    """Most tokens one request holds in cache under the server's eviction settings, if bounded."""
+    """Most tokens one request of ``max_model_len`` tokens holds in cache under the server's eviction
+    settings (``schedule.longest_request_bound``), or None without eviction."""
+    from vllm_evict.schedule import longest_request_bound
+
     mapping = (vllm_config.additional_config or {}).get("kv_eviction")
     if not mapping:
         return None
     config = EvictionConfig.from_mapping(mapping)
-    if config.schedule != "chunked":
-        return None  # one-shot eviction holds the whole prompt first
-    slack = config.slack if config.slack is not None else vllm_config.cache_config.block_size
-    chunk = vllm_config.scheduler_config.max_num_batched_tokens
-    return config.budget + max(chunk, slack)
+    return longest_request_bound(
+        max_model_len=vllm_config.model_config.max_model_len, budget=config.budget, schedule=config.schedule,
+        slack=config.slack if config.slack is not None else vllm_config.cache_config.block_size,
+        chunk=vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def _wrap_startup_memory_check() -> None:
@@ -279,8 +281,10 @@ def check_request_fits(vllm_config: Any, request: Any) -> None:
     block_size = vllm_config.cache_config.block_size
     prompt = request.prompt_token_ids
     prompt_len = len(prompt) if prompt is not None else int(request.prompt_embeds.shape[0])
+    max_new = params.max_tokens or 0
+    # Worst case: preempted after its last token, it recomputes every output in chunks.
     tokens = physical_bound(
-        prompt_len=prompt_len, max_new_tokens=params.max_tokens or 0,
+        prompt_len=prompt_len, max_new_tokens=max_new, replayed=max_new,
         budget=config.budget if config else None, schedule=config.schedule if config else None,
         slack=(config.slack or block_size) if config else 0,
         chunk=vllm_config.scheduler_config.max_num_batched_tokens)
