@@ -100,3 +100,53 @@ def test_packed_view_rejects_indexing_it_does_not_support():
     k_view, _ = CANDIDATES["amx_packed"](torch.zeros(2, 1, 32, 64, dtype=torch.bfloat16), 32)
     with pytest.raises(TypeError, match=r"PackedPages supports cache\[page\], cache\[pages\] and cache\[pages, :, slots\]"):
         k_view[torch.zeros(2, 2, dtype=torch.int64)]
+
+
+# ---- every policy through the paged kernels, on a packed cache ------------------------------------------
+POLICIES = [("snapkv", {}), ("h2o", {}), ("tova", {}), ("nacl", {}), ("ahakv", {}), ("keydiff", {}),
+            ("random", {}), ("streamingllm", {}), ("knorm", {}), ("caote+snapkv", {}),
+            ("caote+snapkv", {"caote_mode": "head"}), ("fastcaote+h2o", {}), ("criticalkv+snapkv", {})]
+
+
+@pytest.mark.parametrize("spec,options", POLICIES, ids=[s + ("-head" if o else "") for s, o in POLICIES])
+def test_policies_keep_the_same_tokens_from_a_packed_cache(spec, options):
+    """The engine's scoring path (PagedScoreKernels, deferred K/V) gives the same kept sets and state
+    from the AMX layout (PackedPages) as from the strided CPU layout holding the same tokens."""
+    from vllm_evict.config import EvictionConfig
+    from vllm_evict.engine.paged_kernels import PagedScoreKernels
+    from vllm_evict.policies.base import Deferred, EvictionInputs, Phase
+
+    heads, group, bs, d, n, budget = 2, 3, 32, 64, 75, 40
+    generator = torch.Generator().manual_seed(7)
+    tiles = torch.randn(5, heads, bs, 2 * d, generator=generator).to(torch.bfloat16)
+    block_ids = torch.tensor([3, 0, 4])
+    k_tiles, v_tiles = CANDIDATES["cpu_tiles"](tiles, d)
+    packed = torch.zeros_like(tiles)
+    k_packed, v_packed = CANDIDATES["amx_packed"](packed, d)
+    paged.scatter_tokens(k_packed, block_ids, paged.gather_tokens(k_tiles, block_ids, n))
+    paged.scatter_tokens(v_packed, block_ids, paged.gather_tokens(v_tiles, block_ids, n))
+    positions = torch.zeros(5, heads, bs, dtype=torch.int64)
+    paged.scatter_tokens(positions, block_ids, torch.arange(n).expand(heads, n))
+    queries = torch.randn(heads * group, 24, d, generator=generator).to(torch.bfloat16)
+    o_proj = (torch.randn(96, heads * group * d, generator=generator) * 0.05).to(torch.bfloat16)
+
+    def run(k_view, v_view):
+        policy = EvictionConfig.from_spec(spec, budget=budget, **options).build_policy()
+        kernels = PagedScoreKernels(k_cache=k_view, v_cache=v_view, positions=positions, block_ids=block_ids,
+                                    length=n, backend="torch")
+        keys = paged.gather_tokens(k_view, block_ids, n)
+        values = paged.gather_tokens(v_view, block_ids, n)
+        window = policy.query_window
+        q = queries if window is None else queries[:, 24 - window:]
+        inputs = EvictionInputs(
+            keys=Deferred(lambda: keys), values=Deferred(lambda: values),
+            positions=paged.gather_tokens(positions, block_ids, n), queries=q,
+            query_positions=torch.arange(2 * n - q.shape[1], 2 * n), scale=d ** -0.5, seq_len=2 * n,
+            num_new=q.shape[1], phase=Phase.PROMPT_END, state=policy.init_state(keys, values, o_proj),
+            layer=1, seed=5, o_proj=o_proj if policy.needs_o_proj else None, kernels=kernels)
+        return policy.step(inputs, budget)
+
+    want, got = run(k_tiles, v_tiles), run(k_packed, v_packed)
+    assert got.keep is not None and torch.equal(got.keep, want.keep)
+    for name, value in want.state.items():
+        assert torch.equal(got.state[name], value)
