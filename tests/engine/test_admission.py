@@ -35,7 +35,7 @@ def pages_held(engine, request_id: str) -> int:
 
 
 def admission_trace(engine, running: int = 3, running_tokens: int = 300, warmup_steps: int = 3,
-                    steps_after: int = 100, prompt_len: int = SHORT_PROMPT) -> dict:
+                    steps_after: int = 70, prompt_len: int = SHORT_PROMPT) -> dict:
     """``running`` requests run; then a prompt of ``prompt_len`` tokens with a long generation arrives.
     Returns the free pages when it arrived, the step (counted from its arrival) in which it was first
     scheduled, and the most pages it held in the following ``steps_after`` steps; then everything is

@@ -44,31 +44,29 @@ def plain_bf16(tiny_llama):
     return outputs
 
 
-def test_budget_above_every_length_matches_plain_vllm_in_bfloat16(tiny_llama, engine_factory, plain_bf16):
-    expected = [chosen_logprobs(o) for o in plain_bf16[0]]
+def test_nothing_evicted_matches_plain_vllm_in_bfloat16(tiny_llama, engine_factory, plain_bf16):
+    """Budget above every length: the same logprobs as plain vLLM, bit for bit. Then each head's cached
+    tokens are shuffled after a prompt (through the layout's views): the greedy tokens stay, and the
+    logprobs move at most by the rounding of a reordered bfloat16 sum."""
     evicting = engine_factory(tiny_llama, {"policy": "caote+snapkv", "budget": 1024}, dtype="bfloat16")
     assert evicting.runner.evict_layout == EXPECTED_LAYOUT
     assert next(iter(evicting.runner.compilation_config.static_forward_context.values())).kv_cache.dtype == \
         torch.bfloat16
+    expected = [chosen_logprobs(o) for o in plain_bf16[0]]
     for want, got in zip(expected, map(chosen_logprobs, evicting.llm.generate(PROMPTS, greedy(24)))):
-        assert got == want  # the same kernels on the same cache: bit for bit
+        assert got == want  # the same kernels on the same cache
     assert evicting.free_pages() == evicting.total_pages()
 
-
-def test_per_head_permutation_in_bfloat16_keeps_the_tokens(tiny_llama, engine_factory, plain_bf16):
-    """Shuffle each head's cached tokens after the prompt (through the layout's views): the greedy tokens
-    stay, and the logprobs move only by the rounding of a reordered bfloat16 sum."""
-    prompt, reference = PERMUTED_PROMPT, plain_bf16[1]
-    engine = engine_factory(tiny_llama, {"policy": "snapkv", "budget": 1024}, dtype="bfloat16")
-    llm_engine = engine.llm.llm_engine
-    llm_engine.add_request("perm", prompt, greedy(16))
+    reference = plain_bf16[1]
+    llm_engine = evicting.llm.llm_engine
+    llm_engine.add_request("perm", PERMUTED_PROMPT, greedy(16))
     generator = torch.Generator().manual_seed(0)
     outputs, permuted = [], False
     while llm_engine.has_unfinished_requests():
         outputs.extend(o for o in llm_engine.step() if o.finished)
-        request = next(iter(engine.scheduler.requests.values()), None)
+        request = next(iter(evicting.scheduler.requests.values()), None)
         if not permuted and request is not None and request.num_computed_tokens >= 150:
-            runner = engine.runner
+            runner = evicting.runner
             block_ids = torch.tensor(runner.requests[request.request_id].block_ids[0], dtype=torch.int64)
             cached = request.num_computed_tokens
             for module_name in runner.evict_layers:
