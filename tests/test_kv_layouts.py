@@ -98,7 +98,8 @@ def test_packed_view_compacts_like_a_dense_copy():
 
 def test_packed_view_rejects_indexing_it_does_not_support():
     k_view, _ = CANDIDATES["amx_packed"](torch.zeros(2, 1, 32, 64, dtype=torch.bfloat16), 32)
-    with pytest.raises(TypeError, match=r"PackedPages supports cache\[page\], cache\[pages\] and cache\[pages, :, slots\]"):
+    with pytest.raises(TypeError, match=r"PackedPages supports cache\[page\], cache\[pages\] and "
+                                        r"cache\[pages, :, slots\]"):
         k_view[torch.zeros(2, 2, dtype=torch.int64)]
 
 

@@ -83,7 +83,8 @@ def test_short_prompt_with_long_generation_reserves_its_prompt_only():
 
 def test_longest_request_bound():
     # chunked: a long request resumed after preemption replays its outputs in chunks from budget + slack - 1
-    assert longest_request_bound(max_model_len=4096, budget=128, schedule="chunked", slack=32, chunk=64) == 128 + 31 + 64
+    assert longest_request_bound(max_model_len=4096, budget=128, schedule="chunked", slack=32,
+                                 chunk=64) == 128 + 31 + 64
     assert longest_request_bound(max_model_len=150, budget=128, schedule="chunked", slack=32, chunk=64) == 150
     # one-shot holds the whole prompt before it evicts
     assert longest_request_bound(max_model_len=4096, budget=128, schedule="oneshot", slack=32, chunk=64) == 4096

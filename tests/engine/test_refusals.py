@@ -212,7 +212,8 @@ def test_user_worker_class_is_wrapped_not_bypassed(tiny_llama):
     from vllm_evict.guards import configure_engine_args
 
     config = engine_config(tiny_llama, worker_cls=USER_WORKER)
-    assert config.parallel_config.worker_cls == "vllm_evict.engine.worker.Evict:tests:engine:custom_worker:MarkedCPUWorker"
+    assert config.parallel_config.worker_cls == \
+        "vllm_evict.engine.worker.Evict:tests:engine:custom_worker:MarkedCPUWorker"
     args = gpu_args(tiny_llama, worker_cls=USER_WORKER)
     configure_engine_args(args, on_cpu=False)  # a custom worker no longer skips the piecewise setting
     assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"
