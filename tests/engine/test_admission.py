@@ -61,7 +61,8 @@ def admission_trace(engine, running: int = 3, running_tokens: int = 300, warmup_
     llm_engine.abort_request(ids)
     llm_engine.step()
     return {"free_at_arrival": free_at_arrival, "generated_at_arrival": generated, "admitted_at": admitted_at,
-            "peak_pages": peak_pages, "computed": cached, "free_after": engine.free_pages(), "total": engine.total_pages()}
+            "peak_pages": peak_pages, "computed": cached, "free_after": engine.free_pages(),
+            "total": engine.total_pages()}
 
 
 def test_short_prompt_long_generation_is_admitted_when_vanilla_admits_it(tiny_llama, engine_factory):
