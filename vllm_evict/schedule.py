@@ -34,12 +34,42 @@ def eviction_target(*, phys_after: int, phase: Phase, budget: int, schedule: str
 
 
 def physical_bound(*, prompt_len: int, max_new_tokens: int, budget: int | None, schedule: str | None,
-                   slack: int, chunk: int) -> int:
-    """Most tokens a request will ever hold in cache (``budget`` None: eviction off for it)."""
+                   slack: int, chunk: int, replayed: int = 0) -> int:
+    """Most tokens a request holds in cache at once (``budget`` None: eviction off for it).
+
+    The request computes ``prompt_len`` prompt tokens in steps of at most ``chunk`` tokens, then
+    ``replayed`` output tokens the same way (a request resumed after preemption recomputes the
+    outputs it had), then generates the rest of ``max_new_tokens`` one token per step. A step holds
+    the tokens cached before it plus the ones it computes; eviction (``eviction_target``) runs after.
+
+    This one bound sizes admission (``replayed`` = outputs so far, ``max_new_tokens`` = the same:
+    what vLLM reserves is the tokens the request has now), the front end's never-fits check and the
+    start-up memory check. It never exceeds ``prompt_len + max_new_tokens``, which is what the
+    request holds without eviction.
+    """
     total = prompt_len + max_new_tokens
     if budget is None:
         return total
-    decode = budget + slack
-    if schedule == "oneshot":
-        return min(total, max(prompt_len, decode))
-    return min(total, max(budget + chunk, decode))
+    computed_in_chunks = prompt_len + replayed
+    # A prompt step starts from at most ``budget`` cached tokens (chunked) or the prompt so far
+    # (one-shot evicts only after the step that completes the prompt).
+    start = budget if schedule == "chunked" else prompt_len - 1
+    peak = min(computed_in_chunks, start + chunk)
+    # Decode steps start from at most budget + slack - 1 tokens (eviction_target evicts at budget + slack).
+    decode_start = budget + slack - 1
+    if replayed > 0:
+        peak = max(peak, min(computed_in_chunks, decode_start + chunk))
+        cached = min(computed_in_chunks, decode_start)
+    else:
+        cached = min(prompt_len, budget)  # the step that completes the prompt evicts down to the budget
+    if total > computed_in_chunks:  # then one token per step, evicted back at budget + slack
+        peak = max(peak, min(cached + total - computed_in_chunks, budget + slack))
+    return peak
+
+
+def longest_request_bound(*, max_model_len: int, budget: int, schedule: str, slack: int, chunk: int) -> int:
+    """``physical_bound`` of the worst request of ``max_model_len`` tokens: the whole prompt held at
+    once (one-shot), or every token computed in chunks (a long request resumed after preemption)."""
+    shapes = [(max_model_len, 0, 0), (1, max_model_len - 1, max_model_len - 1)]
+    return max(physical_bound(prompt_len=p, max_new_tokens=n, replayed=r, budget=budget, schedule=schedule,
+                              slack=slack, chunk=chunk) for p, n, r in shapes)

@@ -44,6 +44,25 @@ def test_eviction_sets_scheduler_worker_and_turns_prefix_caching_off(tiny_llama)
     ({"async_scheduling": True}, "drop --async-scheduling"),
     ({"kv_cache_dtype": "fp8"}, "does not support a quantized KV cache"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "does not support speculative decoding"),
+    # KV cache dtypes: an allowlist, so every quantized format is refused, not only fp8*
+    ({"kv_cache_dtype": "int8_per_token_head"}, r"does not support a quantized KV cache \(kv_cache_dtype="
+                                                r"int8_per_token_head\); use --kv-cache-dtype auto \(supported: "
+                                                r"auto, float16, bfloat16, float32\)"),
+    ({"kv_cache_dtype": "nvfp4"}, r"kv_cache_dtype=nvfp4\); use --kv-cache-dtype auto"),
+    ({"kv_cache_dtype": "turboquant_k8v4"}, r"kv_cache_dtype=turboquant_k8v4\); use --kv-cache-dtype auto"),
+    # context parallelism places a request's tokens on ranks by position
+    ({"decode_context_parallel_size": 2}, r"does not support context parallelism \(decode_context_parallel_size=2, "
+                                          r"prefill_context_parallel_size=1\).*drop --decode-context-parallel-size"),
+    ({"prefill_context_parallel_size": 2}, r"does not support context parallelism \(decode_context_parallel_size=1, "
+                                           r"prefill_context_parallel_size=2\)"),
+    # KV connectors and offloading save pages under their logical hashes
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}},
+     r"does not support KV connectors \(kv_connector=OffloadingConnector\).*drop --kv-transfer-config"),
+    ({"kv_offloading_size": 1.0}, r"does not support KV cache offloading \(kv_offloading_size=1.0\).*drop "
+                                  r"--kv-offloading-size"),
+    # micro-batching runs attention on part of the step's requests at a time
+    ({"enable_dbo": True}, r"does not support micro-batching \(enable_dbo=True, ubatch_size=0\).*drop --enable-dbo"),
+    ({"ubatch_size": 2}, r"does not support micro-batching \(enable_dbo=False, ubatch_size=2\)"),
 ])
 def test_unsupported_engine_options_are_refused(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -108,3 +127,100 @@ def test_cli_flags_become_additional_config(tiny_llama):
         "other": 1, "kv_eviction": {"window": 16, "policy": "caote+snapkv", "budget": 512}}
     with pytest.raises(ValueError, match="--kv-budget and --kv-eviction-config need --kv-eviction POLICY"):
         EngineArgs.from_cli_args(parser.parse_args(["--model", tiny_llama, "--kv-budget", "5"]))
+
+
+def test_settings_vllm_derives_are_checked_on_the_built_config(tiny_llama):
+    """--kv-offloading-size becomes a KV connector only inside vLLM's config; the built config is checked."""
+    from vllm_evict.guards import check_engine_supported
+
+    derived = engine_config(tiny_llama, extra=None, kv_offloading_size=1.0)  # vanilla vLLM builds it
+    assert derived.kv_transfer_config.kv_connector == "OffloadingConnector"
+    with pytest.raises(ValueError, match=r"does not support KV connectors \(kv_connector=OffloadingConnector\)"):
+        check_engine_supported(derived)
+    check_engine_supported(engine_config(tiny_llama))  # what eviction builds passes its own check
+
+
+# ---- CUDA graphs: the GPU branch of the configuration, driven on CPU ------------------------------------
+def gpu_args(model: str, **kwargs) -> EngineArgs:
+    return EngineArgs(model=model, additional_config=EVICTION, **kwargs)
+
+
+def test_gpu_runs_attention_between_piecewise_graphs(tiny_llama):
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+
+    from vllm_evict.guards import GPU_WORKER_CLS, configure_engine_args
+
+    args = gpu_args(tiny_llama)
+    configure_engine_args(args, on_cpu=False)
+    compilation = args.compilation_config
+    assert isinstance(compilation, CompilationConfig)
+    assert compilation.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert compilation.pass_config.fuse_attn_quant is False  # an optimization level cannot turn it on
+    assert args.worker_cls == GPU_WORKER_CLS
+    for explicit in ("PIECEWISE", "NONE"):  # the user's choice stands when it keeps attention eager
+        args = gpu_args(tiny_llama, compilation_config={"cudagraph_mode": explicit})
+        configure_engine_args(args, on_cpu=False)
+        assert args.compilation_config.cudagraph_mode == CUDAGraphMode[explicit]
+    eager = gpu_args(tiny_llama, enforce_eager=True)
+    configure_engine_args(eager, on_cpu=False)
+    assert eager.compilation_config.cudagraph_mode is None  # vLLM turns graphs off itself
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_gpu_refuses_full_cuda_graphs_asked_for(tiny_llama, mode):
+    from vllm_evict.guards import configure_engine_args
+
+    with pytest.raises(ValueError, match=rf"does not support full CUDA graphs \(cudagraph_mode={mode}\): eviction "
+                                         r"runs in Python after each attention layer.*-cc.cudagraph_mode=PIECEWISE"):
+        configure_engine_args(gpu_args(tiny_llama, compilation_config={"cudagraph_mode": mode}), on_cpu=False)
+
+
+def test_gpu_refuses_options_that_capture_attention(tiny_llama):
+    from vllm_evict.guards import configure_engine_args
+
+    with pytest.raises(ValueError, match=r"does not support attention\+quant fusion"):
+        configure_engine_args(gpu_args(tiny_llama, compilation_config={"pass_config": {"fuse_attn_quant": True}}),
+                              on_cpu=False)
+    with pytest.raises(ValueError, match=r"splitting_ops \['vllm::some_other_op'\] leave "
+                                         r"vllm::unified_attention_with_output inside them"):
+        configure_engine_args(gpu_args(tiny_llama, compilation_config={"splitting_ops": ["vllm::some_other_op"]}),
+                              on_cpu=False)
+
+
+def test_full_graphs_vllm_forces_are_refused_on_the_resolved_config():
+    """vLLM itself switches attention+quant fusion to FULL graphs (set_splitting_ops_for_v1)."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from vllm_evict.guards import check_cuda_graphs
+
+    fused = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="PIECEWISE",
+                              pass_config={"fuse_attn_quant": True})
+    fused.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert fused.cudagraph_mode == CUDAGraphMode.FULL
+    with pytest.raises(ValueError, match=r"vLLM resolved cudagraph_mode=FULL \(an option or the model forces it\)"):
+        check_cuda_graphs(fused)
+    piecewise = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="PIECEWISE")
+    piecewise.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    check_cuda_graphs(piecewise)
+
+
+# ---- --worker-cls -------------------------------------------------------------------------------------------
+USER_WORKER = "tests.engine.custom_worker.MarkedCPUWorker"
+
+
+def test_user_worker_class_is_wrapped_not_bypassed(tiny_llama):
+    from vllm_evict.guards import configure_engine_args
+
+    config = engine_config(tiny_llama, worker_cls=USER_WORKER)
+    assert config.parallel_config.worker_cls == \
+        "vllm_evict.engine.worker.Evict:tests:engine:custom_worker:MarkedCPUWorker"
+    args = gpu_args(tiny_llama, worker_cls=USER_WORKER)
+    configure_engine_args(args, on_cpu=False)  # a custom worker no longer skips the piecewise setting
+    assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"
+    configure_engine_args(args, on_cpu=False)  # configuring twice does not wrap twice
+    assert args.worker_cls.count("Evict:") == 1
+
+
+def test_user_worker_class_that_does_not_import_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match=r"KV eviction cannot wrap worker class 'no_such_package.Worker': "):
+        engine_config(tiny_llama, worker_cls="no_such_package.Worker")

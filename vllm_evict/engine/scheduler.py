@@ -69,13 +69,17 @@ class EvictScheduler(Scheduler):
     def slack_of(self, config: EvictionConfig) -> int:
         return config.slack if config.slack is not None else self.page_size
 
-    def physical_bound(self, request: Request) -> int:
-        """Most tokens ``request`` will ever hold in cache (admission control)."""
+    def admission_tokens(self, request: Request) -> int:
+        """Tokens ``request`` will hold while computing the tokens it has now (prompt, plus outputs
+        replayed after a preemption): vLLM's full-sequence admission reserves pages for
+        ``num_tokens`` tokens, this is the same reservation under eviction (never more)."""
         config = self.config_of(request.request_id)
-        return physical_bound(
-            prompt_len=request.num_tokens, max_new_tokens=max(0, request.max_tokens - request.num_output_tokens),
+        replayed = request.num_tokens - request.num_prompt_tokens
+        tokens = physical_bound(
+            prompt_len=request.num_prompt_tokens, max_new_tokens=replayed, replayed=replayed,
             budget=config.budget if config else None, schedule=config.schedule if config else None,
             slack=self.slack_of(config) if config else 0, chunk=self.scheduler_config.max_num_batched_tokens)
+        return min(tokens, self.vllm_config.model_config.max_model_len)
 
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
@@ -155,7 +159,9 @@ class EvictKVCacheManagerMixin:
 
     Inside ``allocate_slots`` the request's ``num_computed_tokens`` feeds only page arithmetic (prefix
     caching is off with eviction), so it is lowered by the evicted count for the duration of the call.
-    The full-prompt admission reservation is replaced by one sized to what the request will hold.
+    The full-sequence admission check (``full_sequence_must_fit``) is replaced by the same check sized
+    to what the request will hold under eviction, with vLLM's watermark; ``reserved_blocks`` still
+    applies to the allocation itself, which vLLM makes after that check.
     """
 
     eviction: EvictScheduler
@@ -165,7 +171,7 @@ class EvictKVCacheManagerMixin:
         evicted = scheduler.evicted.get(request.request_id, 0)
         if kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None:
             kwargs["full_sequence_must_fit"] = False
-            if not self._bounded_sequence_fits(request, evicted):
+            if not self._bounded_sequence_fits(request, kwargs.get("has_scheduled_reqs", True)):
                 return None
         request.num_computed_tokens -= evicted
         try:
@@ -173,8 +179,13 @@ class EvictKVCacheManagerMixin:
         finally:
             request.num_computed_tokens += evicted
 
-    def _bounded_sequence_fits(self, request: Request, evicted: int) -> bool:
+    def _bounded_sequence_fits(self, request: Request, has_scheduled_reqs: bool) -> bool:
         scheduler = self.eviction
         held = len(scheduler.attention_manager.req_to_blocks.get(request.request_id, ()))
-        needed = cdiv(scheduler.physical_bound(request), scheduler.page_size) - held
-        return needed <= self.block_pool.get_num_free_blocks()  # type: ignore[attr-defined]
+        needed = max(cdiv(scheduler.admission_tokens(request), scheduler.page_size) - held, 0)
+        # As in vLLM: the watermark holds back pages from waiting and preempted requests, and only
+        # while something else is running.
+        watermark = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark = self.watermark_blocks  # type: ignore[attr-defined]
+        return needed + watermark <= self.block_pool.get_num_free_blocks()  # type: ignore[attr-defined]

@@ -2,33 +2,51 @@
 
 The runner is built inside ``init_device``; its class is swapped right after, before the model or the
 KV cache exist, so every later call goes through the mixin.
+
+vLLM resolves ``--worker-cls`` by qualname in each worker process. Besides our own CPU and GPU
+workers, a user's worker class is wrapped the same way: its qualname is carried inside ours,
+``vllm_evict.engine.worker.Evict:pkg:module:Class``, and this module builds the subclass on lookup, so
+the wrapping reaches every worker process with the config and needs nothing else to be shared.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from vllm_evict.engine.runner import EvictRunnerMixin
 
 _RUNNER_CLASSES: dict[type, type] = {}
+WRAPPED_PREFIX = "Evict:"  # a name no Python identifier can clash with
+_BUILTIN = {"EvictCPUWorker": "vllm.v1.worker.cpu_worker.CPUWorker",
+            "EvictGPUWorker": "vllm.v1.worker.gpu_worker.Worker"}
 
 
 def install_runner_mixin(worker: Any) -> None:
-    runner = worker.model_runner
+    runner = getattr(worker, "model_runner", None)
     base = type(runner)
     if not hasattr(runner, "_update_states") or not hasattr(runner, "_prepare_inputs"):
-        raise ValueError(f"KV eviction needs vLLM's V1 model runner, got {base.__name__}; "
-                         "set VLLM_USE_V2_MODEL_RUNNER=0")
+        raise ValueError(f"KV eviction needs vLLM's V1 model runner, but {type(worker).__name__}.init_device "
+                         f"left model_runner = {base.__name__}; set VLLM_USE_V2_MODEL_RUNNER=0, and with "
+                         "--worker-cls use a subclass of vLLM's CPUWorker or GPU Worker")
     if base not in _RUNNER_CLASSES:
         _RUNNER_CLASSES[base] = type("Evict" + base.__name__, (EvictRunnerMixin, base), {})
     runner.__class__ = _RUNNER_CLASSES[base]
     runner.evict_init()
 
 
-def _worker_class(base_path: str) -> type:
-    module, name = base_path.rsplit(".", 1)
-    base = getattr(__import__(module, fromlist=[name]), name)
+def _resolve(qualname: str) -> type:
+    module, _, name = qualname.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"KV eviction cannot wrap worker class {qualname!r}: {err}") from err
+    if not isinstance(cls, type):
+        raise ValueError(f"KV eviction cannot wrap worker class {qualname!r}: it is not a class")
+    return cls
 
+
+def _evicting_subclass(base: type, attribute: str) -> type:
     def init_device(self: Any) -> None:
         base.init_device(self)
         install_runner_mixin(self)
@@ -38,16 +56,31 @@ def _worker_class(base_path: str) -> type:
         # the pool, so that eviction can never push the device out of memory.
         return self.model_runner.evict_kv_share(base.determine_available_memory(self))
 
-    return type("Evict" + name, (base,), {"init_device": init_device, "__module__": __name__,
-                                           "determine_available_memory": determine_available_memory})
+    # __qualname__ is the module attribute, so pickle finds the class again by reference.
+    return type("Evict" + base.__name__, (base,), {"init_device": init_device, "__module__": __name__,
+                                                    "__qualname__": attribute,
+                                                    "determine_available_memory": determine_available_memory})
+
+
+def wrapped_worker_qualname(user_qualname: str) -> str:
+    """The ``worker_cls`` that runs ``user_qualname`` with the eviction runner installed."""
+    _resolve(user_qualname)  # fail in the front end, with the user's name, if it does not import
+    return f"{__name__}.{WRAPPED_PREFIX}{user_qualname.replace('.', ':')}"
+
+
+def is_evicting_worker(qualname: str) -> bool:
+    prefix = f"{__name__}."
+    return qualname.startswith(prefix) and (qualname[len(prefix):] in _BUILTIN
+                                            or qualname[len(prefix):].startswith(WRAPPED_PREFIX))
 
 
 def __getattr__(name: str) -> type:
     # Resolved lazily: importing the GPU worker on a CPU build (or the reverse) must not happen.
-    targets = {"EvictCPUWorker": "vllm.v1.worker.cpu_worker.CPUWorker",
-               "EvictGPUWorker": "vllm.v1.worker.gpu_worker.Worker"}
-    if name not in targets:
+    if name in _BUILTIN:
+        cls = _evicting_subclass(_resolve(_BUILTIN[name]), name)
+    elif name.startswith(WRAPPED_PREFIX):
+        cls = _evicting_subclass(_resolve(name[len(WRAPPED_PREFIX):].replace(":", ".")), name)
+    else:
         raise AttributeError(name)
-    cls = _worker_class(targets[name])
     globals()[name] = cls
     return cls
