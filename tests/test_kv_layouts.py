@@ -69,14 +69,14 @@ def test_views_read_back_a_hand_built_page(layout, dtype, bs, d):
     assert tuple(k_view.shape) == tuple(v_view.shape) == (num_blocks, heads, bs, d)
     assert isinstance(k_view, PackedPages) == (layout in ("amx_packed", "neon_bfmmla"))
     assert torch.equal(k_view[page], keys) and torch.equal(v_view[page], values)
-    block_ids = torch.tensor([page])
-    assert torch.equal(paged.gather_tokens(k_view, block_ids, bs), keys)
-    assert torch.equal(paged.gather_tokens(v_view, block_ids, bs), values)
+    block_table = torch.tensor([[page]])
+    assert torch.equal(paged.gather_tokens(k_view, block_table, bs)[0], keys)
+    assert torch.equal(paged.gather_tokens(v_view, block_table, bs)[0], values)
     # Writing through the views puts each token where the hand-built layout has it.
     other = torch.zeros_like(cache)
     k_other, v_other = CANDIDATES[layout](other, d)
-    paged.scatter_tokens(k_other, block_ids, keys)
-    paged.scatter_tokens(v_other, block_ids, values)
+    paged.scatter_tokens(k_other, block_table, keys.unsqueeze(0))
+    paged.scatter_tokens(v_other, block_table, values.unsqueeze(0))
     assert torch.equal(other, cache)
 
 
@@ -86,21 +86,21 @@ def test_packed_view_compacts_like_a_dense_copy():
     generator = torch.Generator().manual_seed(3)
     cache = torch.randn(5, heads, bs, 2 * d, generator=generator).to(torch.bfloat16)
     k_view, v_view = CANDIDATES["amx_packed"](cache, d)
-    block_ids = torch.tensor([4, 1, 3])
-    dense_k = paged.gather_tokens(k_view, block_ids, n).clone()
-    dense_v = paged.gather_tokens(v_view, block_ids, n).clone()
+    block_table = torch.tensor([[4, 1, 3]])
+    dense_k = paged.gather_tokens(k_view, block_table, n)[0].clone()
+    dense_v = paged.gather_tokens(v_view, block_table, n)[0].clone()
     keep = torch.stack([torch.randperm(n, generator=generator)[:20].sort().values for _ in range(heads)])
-    paged.compact_tokens([k_view, v_view], block_ids, keep)
+    paged.compact_tokens([k_view, v_view], block_table, keep.unsqueeze(0), torch.tensor([20]))
     index = keep.unsqueeze(-1).expand(heads, 20, d)
-    assert torch.equal(paged.gather_tokens(k_view, block_ids, 20), dense_k.gather(1, index))
-    assert torch.equal(paged.gather_tokens(v_view, block_ids, 20), dense_v.gather(1, index))
+    assert torch.equal(paged.gather_tokens(k_view, block_table, 20)[0], dense_k.gather(1, index))
+    assert torch.equal(paged.gather_tokens(v_view, block_table, 20)[0], dense_v.gather(1, index))
 
 
 def test_packed_view_rejects_indexing_it_does_not_support():
     k_view, _ = CANDIDATES["amx_packed"](torch.zeros(2, 1, 32, 64, dtype=torch.bfloat16), 32)
-    with pytest.raises(TypeError, match=r"PackedPages supports cache\[page\], cache\[pages\] and "
-                                        r"cache\[pages, :, slots\]"):
-        k_view[torch.zeros(2, 2, dtype=torch.int64)]
+    with pytest.raises(TypeError, match=r"PackedPages supports cache\[page\], cache\[pages\], "
+                                        r"cache\[pages, :, slots\] and cache\[pages, heads, slots\]"):
+        k_view[torch.zeros(2, dtype=torch.int64), 0]
 
 
 # ---- every policy through the paged kernels, on a packed cache ------------------------------------------
@@ -111,43 +111,53 @@ POLICIES = [("snapkv", {}), ("h2o", {}), ("tova", {}), ("nacl", {}), ("ahakv", {
 
 @pytest.mark.parametrize("spec,options", POLICIES, ids=[s + ("-head" if o else "") for s, o in POLICIES])
 def test_policies_keep_the_same_tokens_from_a_packed_cache(spec, options):
-    """The engine's scoring path (PagedScoreKernels, deferred K/V) gives the same kept sets and state
-    from the AMX layout (PackedPages) as from the strided CPU layout holding the same tokens."""
-    from vllm_evict.config import EvictionConfig
-    from vllm_evict.engine.paged_kernels import PagedScoreKernels
-    from vllm_evict.policies.base import Deferred, EvictionInputs, Phase
+    """The engine's eviction step (``evict_step``: paged score ops, deferred K/V, compaction) keeps the same
+    tokens and state from the AMX layout (PackedPages) as from the strided CPU layout holding the same tokens."""
+    import numpy as np
 
-    heads, group, bs, d, n, budget = 2, 3, 32, 64, 75, 40
+    from vllm_evict.config import EvictionConfig
+    from vllm_evict.evict_step import LayerCache, Record, StepPlan, build_group, evict_layer
+    from vllm_evict.policies.base import Phase
+
+    heads, group, bs, d, n, budget, w = 2, 3, 32, 64, 75, 40, 24
     generator = torch.Generator().manual_seed(7)
     tiles = torch.randn(5, heads, bs, 2 * d, generator=generator).to(torch.bfloat16)
-    block_ids = torch.tensor([3, 0, 4])
-    k_tiles, v_tiles = CANDIDATES["cpu_tiles"](tiles, d)
-    packed = torch.zeros_like(tiles)
-    k_packed, v_packed = CANDIDATES["amx_packed"](packed, d)
-    paged.scatter_tokens(k_packed, block_ids, paged.gather_tokens(k_tiles, block_ids, n))
-    paged.scatter_tokens(v_packed, block_ids, paged.gather_tokens(v_tiles, block_ids, n))
-    positions = torch.zeros(5, heads, bs, dtype=torch.int64)
-    paged.scatter_tokens(positions, block_ids, torch.arange(n).expand(heads, n))
-    queries = torch.randn(heads * group, 24, d, generator=generator).to(torch.bfloat16)
+    block_table = torch.tensor([[3, 2, 4]])
+    queries = torch.randn(1, w, heads * group, d, generator=generator).to(torch.bfloat16)
     o_proj = (torch.randn(96, heads * group * d, generator=generator) * 0.05).to(torch.bfloat16)
 
-    def run(k_view, v_view):
+    def run(layout: str):
         policy = EvictionConfig.from_spec(spec, budget=budget, **options).build_policy()
-        kernels = PagedScoreKernels(k_cache=k_view, v_cache=v_view, positions=positions, block_ids=block_ids,
-                                    length=n, backend="torch")
-        keys = paged.gather_tokens(k_view, block_ids, n)
-        values = paged.gather_tokens(v_view, block_ids, n)
-        window = policy.query_window
-        q = queries if window is None else queries[:, 24 - window:]
-        inputs = EvictionInputs(
-            keys=Deferred(lambda: keys), values=Deferred(lambda: values),
-            positions=paged.gather_tokens(positions, block_ids, n), queries=q,
-            query_positions=torch.arange(2 * n - q.shape[1], 2 * n), scale=d ** -0.5, seq_len=2 * n,
-            num_new=q.shape[1], phase=Phase.PROMPT_END, state=policy.init_state(keys, values, o_proj),
-            layer=1, seed=5, o_proj=o_proj if policy.needs_o_proj else None, kernels=kernels)
-        return policy.step(inputs, budget)
+        storage = tiles.clone()
+        k_view, v_view = CANDIDATES[layout](storage, d)
+        if layout != "cpu_tiles":
+            k_tiles, v_tiles = CANDIDATES["cpu_tiles"](tiles, d)
+            paged.scatter_tokens(k_view, block_table, paged.gather_tokens(k_tiles, block_table, n))
+            paged.scatter_tokens(v_view, block_table, paged.gather_tokens(v_tiles, block_table, n))
+        positions = torch.zeros(5, heads, bs, dtype=torch.int32)
+        paged.scatter_tokens(positions, block_table, (n + torch.arange(n)).expand(1, heads, n))
+        keys, values = paged.gather_tokens(k_view, block_table, n)[0], paged.gather_tokens(v_view, block_table, n)[0]
+        state = {name: torch.zeros(5, heads, bs) for name in policy.state_names}
+        for name, value in policy.init_state(keys, values, o_proj).items():
+            paged.scatter_tokens(state[name], block_table, value.unsqueeze(0))
+        ring_positions = torch.cat([2 * n - w + torch.arange(w), torch.full((w,), -1)]).view(2, w)
+        ring = torch.cat([queries, torch.zeros_like(queries)])
+        cache = LayerCache(index=1, k=k_view, v=v_view, positions=positions, state=state, ring=ring,
+                           scale=d ** -0.5, o_proj=o_proj if policy.needs_o_proj else None)
+        one = lambda value: np.array([value], dtype=np.int64)  # noqa: E731
+        step_group = build_group(policy, Phase.PROMPT_END, block_table, bs, lengths=one(n), computed=one(2 * n - w),
+                                 scheduled=one(w), seed=one(5), keep=one(budget), ring_rows=one(0),
+                                 token_starts=one(0))
+        record = Record(pages=torch.zeros(0, dtype=torch.int64), offsets=torch.zeros(0, dtype=torch.int64),
+                        positions=torch.zeros(0, dtype=torch.int32), ring_index=None)
+        plan = StepPlan(record=record, groups=[step_group], ring_positions=ring_positions)
+        (keep,) = evict_layer(cache, plan, queries[0])
+        kept = {"k": paged.gather_tokens(k_view, block_table, budget), "v": paged.gather_tokens(v_view, block_table, budget),
+                "positions": paged.gather_tokens(positions, block_table, budget),
+                **{name: paged.gather_tokens(buf, block_table, budget) for name, buf in state.items()}}
+        return keep, kept
 
-    want, got = run(k_tiles, v_tiles), run(k_packed, v_packed)
-    assert got.keep is not None and torch.equal(got.keep, want.keep)
-    for name, value in want.state.items():
-        assert torch.equal(got.state[name], value)
+    (want_keep, want), (got_keep, got) = run("cpu_tiles"), run("amx_packed")
+    assert torch.equal(got_keep, want_keep)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

@@ -44,6 +44,12 @@ def gather_tokens(cache: Tensor, block_table: Tensor, width: int) -> Tensor:
     return gather_slots(cache, pages, offsets)
 
 
+def scatter_tokens(cache: Tensor, block_table: Tensor, values: Tensor) -> None:
+    """Write values [R, H, n, *rest] into slots 0..n-1 of every row (in place)."""
+    pages, offsets = slot_addresses(block_table, values.shape[2], cache.shape[2])
+    cache[pages, :, offsets] = values.transpose(1, 2).to(cache.dtype)
+
+
 def write_slots(buffer: Tensor, pages: Tensor, offsets: Tensor, values: Tensor) -> None:
     """Write values [T, H, *rest] at (pages, offsets) [T] (in place)."""
     buffer[pages, :, offsets] = values.to(buffer.dtype)

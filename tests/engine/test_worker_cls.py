@@ -25,7 +25,8 @@ def test_user_worker_class_runs_with_the_eviction_runner(tiny_llama, engine_fact
         llm_engine.step()
         for request_id in engine.scheduler.requests:
             cached.append(engine.scheduler.num_cached_tokens(request_id))
-            worker_evicted.append(engine.runner.evict_state.evicted.get(request_id, 0))
+            row = engine.runner.input_batch.req_id_to_index.get(request_id)
+            worker_evicted.append(int(engine.runner.evict_rows.evicted[row]) if row is not None else 0)
     # The worker compacted what the scheduler planned: both sides count the same evicted tokens.
     assert max(worker_evicted) > 0
     assert max(cached[1:]) <= budget + 64  # budget + one chunk (max_num_batched_tokens=64)
