@@ -1,0 +1,92 @@
+"""Tensor parallelism: TP 2 keeps, per layer and *global* KV head, exactly the logical positions TP 1
+keeps, and generates the same greedy tokens (logprobs within float tolerance: the row-parallel layers
+sum in another order).
+
+Two tiny random Llamas: 4 KV heads (each rank holds 2 whole GQA groups) and 1 KV head (replicated on
+both ranks, each holding half of the group's query heads). Each model runs once with TP 1 (in process)
+and once with TP 2 (multiprocess executor, one worker process per rank), with one request per method,
+all in one batch; every test below reads those two runs.
+
+Cases marked ``tp_pending`` fail today and are kept out of the default run (see conftest.py): methods
+that draw random numbers per *local* KV head, and query-dependent methods on replicated KV heads, where
+each replica scores with its own half of the query-head group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from tests.scaleout.helpers import (BUDGET, POLICIES, PROMPT_LEN, Outcome, kept_differences,
+                                    page_bound_violations, requests_for, run_requests, start_engine,
+                                    stop_engine)
+from vllm_evict.config import EvictionConfig
+
+pytestmark = [pytest.mark.engine, pytest.mark.tp]
+
+KV_HEADS = {"kv4": 4, "kv1": 1}
+
+# Methods whose scores read queries: on a replicated KV head each rank sees only its share of the group.
+QUERY_DEPENDENT = {"snapkv", "h2o", "tova", "ahakv", "caote+snapkv", "fastcaote+h2o", "criticalkv+snapkv", "nacl"}
+# Why each pending case fails, in the test id's words.
+PENDING = {
+    ("kv4", "random"): "draws per local KV head: rank 1's heads 2, 3 get heads 0, 1's draws",
+    ("kv4", "nacl"): "its Gumbel noise is seeded per local KV head",
+    **{("kv1", spec): "replicated KV head scored with half of the query-head group on each rank"
+       for spec in QUERY_DEPENDENT},
+}
+
+
+def _cases() -> list[Any]:
+    return [pytest.param(model, spec, id=f"{model}-{spec}",
+                         marks=[pytest.mark.tp_pending] if (model, spec) in PENDING else [])
+            for model in KV_HEADS for spec in POLICIES]
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> Callable[[str], dict[int, dict[str, Outcome]]]:
+    """model -> {tp: {method: Outcome}}, both runs made the first time a model is asked for."""
+    cache: dict[str, dict[int, dict[str, Outcome]]] = {}
+
+    def get(model: str) -> dict[int, dict[str, Outcome]]:
+        if model not in cache:
+            path = request.getfixturevalue(f"llama_{model}")
+            cache[model] = {}
+            for tp in (1, 2):
+                engine = start_engine(path, tp=tp, kv_heads=KV_HEADS[model])
+                try:
+                    cache[model][tp] = run_requests(engine, requests_for(POLICIES))
+                    assert engine.free_pages() == engine.total_pages(), f"TP {tp}: pages not returned after drain"
+                    assert not engine.scheduler.evicted and not engine.scheduler.pending_keep
+                finally:
+                    stop_engine(engine)
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model,spec", _cases())
+def test_tp2_keeps_what_tp1_keeps(runs, model, spec):
+    single, double = runs(model)[1][spec], runs(model)[2][spec]
+    heads = KV_HEADS[model]
+    for layer in double.kept:
+        assert sorted(layer) == list(range(heads))
+        copies = max(1, 2 // heads)  # ranks holding one global head
+        assert all(len(c) == copies for c in layer.values()), "each global head is reported by every rank holding it"
+    problems = kept_differences(double, single)
+    assert not problems, f"{model} {spec}, TP 2 vs TP 1 ({PENDING.get((model, spec), 'unexpected')}):\n" + "\n".join(problems[:8])
+    assert double.tokens == single.tokens
+    assert double.logprobs == pytest.approx(single.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("model", list(KV_HEADS))
+def test_tp2_pages_stay_bounded(runs, model):
+    """Every rank compacts to the scheduler's count, so one page table serves both: the bounds hold,
+    and (checked in ``runs``) the pool is full after the drain."""
+    for spec, outcome in runs(model)[2].items():
+        chunked = EvictionConfig.from_spec(spec, BUDGET).schedule == "chunked"
+        problems = page_bound_violations(outcome, prompt_len=PROMPT_LEN, budget=BUDGET, chunked=chunked)
+        assert not problems, f"{spec}: " + "; ".join(problems[:4])
+        final = {len(positions) for layer in outcome.kept for copies in layer.values() for positions in copies}
+        assert len(final) == 1 and BUDGET <= final.pop() <= BUDGET + 32, f"{spec}: kept counts differ across heads"
