@@ -14,29 +14,15 @@ each replica scores with its own half of the query-head group.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from tests.scaleout.helpers import (BUDGET, POLICIES, PROMPT_LEN, Outcome, kept_differences,
-                                    page_bound_violations, requests_for, run_requests, start_engine,
-                                    stop_engine)
+from tests.scaleout.helpers import (BUDGET, KV_HEADS, PENDING, POLICIES, PROMPT_LEN, kept_differences,
+                                    page_bound_violations)
 from vllm_evict.config import EvictionConfig
 
 pytestmark = [pytest.mark.engine, pytest.mark.tp]
-
-KV_HEADS = {"kv4": 4, "kv1": 1}
-
-# Methods whose scores read queries: on a replicated KV head each rank sees only its share of the group.
-QUERY_DEPENDENT = {"snapkv", "h2o", "tova", "ahakv", "caote+snapkv", "fastcaote+h2o", "criticalkv+snapkv", "nacl"}
-# Why each pending case fails, in the test id's words.
-PENDING = {
-    ("kv4", "random"): "draws per local KV head: rank 1's heads 2, 3 get heads 0, 1's draws",
-    ("kv4", "nacl"): "its Gumbel noise is seeded per local KV head",
-    **{("kv1", spec): "replicated KV head scored with half of the query-head group on each rank"
-       for spec in QUERY_DEPENDENT},
-}
-
 
 def _cases() -> list[Any]:
     return [pytest.param(model, spec, id=f"{model}-{spec}",
@@ -44,31 +30,9 @@ def _cases() -> list[Any]:
             for model in KV_HEADS for spec in POLICIES]
 
 
-@pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest) -> Callable[[str], dict[int, dict[str, Outcome]]]:
-    """model -> {tp: {method: Outcome}}, both runs made the first time a model is asked for."""
-    cache: dict[str, dict[int, dict[str, Outcome]]] = {}
-
-    def get(model: str) -> dict[int, dict[str, Outcome]]:
-        if model not in cache:
-            path = request.getfixturevalue(f"llama_{model}")
-            cache[model] = {}
-            for tp in (1, 2):
-                engine = start_engine(path, tp=tp, kv_heads=KV_HEADS[model])
-                try:
-                    cache[model][tp] = run_requests(engine, requests_for(POLICIES))
-                    assert engine.free_pages() == engine.total_pages(), f"TP {tp}: pages not returned after drain"
-                    assert not engine.scheduler.evicted and not engine.scheduler.pending_keep
-                finally:
-                    stop_engine(engine)
-        return cache[model]
-
-    return get
-
-
 @pytest.mark.parametrize("model,spec", _cases())
-def test_tp2_keeps_what_tp1_keeps(runs, model, spec):
-    single, double = runs(model)[1][spec], runs(model)[2][spec]
+def test_tp2_keeps_what_tp1_keeps(tp_outcomes, model, spec):
+    single, double = tp_outcomes(model, 1)[spec], tp_outcomes(model, 2)[spec]
     heads = KV_HEADS[model]
     for layer in double.kept:
         assert sorted(layer) == list(range(heads))
@@ -81,10 +45,10 @@ def test_tp2_keeps_what_tp1_keeps(runs, model, spec):
 
 
 @pytest.mark.parametrize("model", list(KV_HEADS))
-def test_tp2_pages_stay_bounded(runs, model):
+def test_tp2_pages_stay_bounded(tp_outcomes, model):
     """Every rank compacts to the scheduler's count, so one page table serves both: the bounds hold,
-    and (checked in ``runs``) the pool is full after the drain."""
-    for spec, outcome in runs(model)[2].items():
+    and (checked in ``tp_outcomes``) the pool is full after the drain."""
+    for spec, outcome in tp_outcomes(model, 2).items():
         chunked = EvictionConfig.from_spec(spec, BUDGET).schedule == "chunked"
         problems = page_bound_violations(outcome, prompt_len=PROMPT_LEN, budget=BUDGET, chunked=chunked)
         assert not problems, f"{spec}: " + "; ".join(problems[:4])
