@@ -3,10 +3,15 @@
     python benchmarks/tp.py                          # tiny random Llama (8 query heads, 4 KV heads)
     python benchmarks/tp.py --model PATH --policy caote+snapkv --budget 128 --prompt-len 1024
 
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); TP 1 runs its worker in process
-too, TP 2 runs two worker processes (vLLM's multiprocess executor), each bound to its own core. Both serve
-the same prompts (random token ids, one request at a time) with the same eviction settings; the engines
-run one after the other, each after one warm-up request. Per prompt:
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Three engines serve the same
+prompts (random token ids, one request at a time) with the same eviction settings, one after the other,
+each after one warm-up request:
+
+- TP 1 with one PyTorch thread per allowed core (the worker runs in this process);
+- TP 1 with one thread;
+- TP 2: two worker processes (vLLM's multiprocess executor), each bound to its own core, one thread each.
+
+Per prompt:
 
 - prefill = wall time of a request with max_tokens=1 (time to first token);
 - decode  = (wall time of the same prompt with max_tokens=N - prefill) / (N - 1), per token;
@@ -29,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -66,9 +73,15 @@ def omp_bind(ranks: int) -> str:
     return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(ranks))
 
 
-def make_engine(args: argparse.Namespace, model: str, tp: int) -> Any:
+# vLLM's CPU worker turns torch.set_num_threads into a no-op in the process it runs in; keep the real one.
+_set_num_threads = torch.set_num_threads
+CONFIGS = [("TP 1, all cores", 1, None), ("TP 1, 1 thread", 1, 1), ("TP 2, 1 core each", 2, None)]
+
+
+def make_engine(args: argparse.Namespace, model: str, tp: int, threads: int | None) -> Any:
     from vllm import LLM
 
+    _set_num_threads(threads or len(os.sched_getaffinity(0)))  # the in-process worker's threads (TP 1)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(tp)  # read when the worker processes start
     eviction = {"policy": args.policy, "budget": args.budget, **(args.eviction_config or {})}
     return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.prompt_len + args.gen_len + 64,
@@ -96,8 +109,9 @@ def timed_request(llm: Any, prompt: list[int], max_tokens: int) -> tuple[float, 
     return time.perf_counter() - start, peak
 
 
-def measure(args: argparse.Namespace, model: str, tp: int, prompts: list[list[int]]) -> dict[str, list[float]]:
-    llm = make_engine(args, model, tp)
+def measure(args: argparse.Namespace, model: str, tp: int, threads: int | None,
+            prompts: list[list[int]]) -> dict[str, list[float]]:
+    llm = make_engine(args, model, tp, threads)
     try:
         timed_request(llm, prompts[0], 2)  # warm-up
         result: dict[str, list[float]] = {"prefill": [], "decode": [], "pages": []}
@@ -116,8 +130,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import random
 
-    import torch
-
     model = args.model
     if model is None:
         from vllm_evict.testing import build_tiny_llama
@@ -126,18 +138,18 @@ def main(argv: list[str] | None = None) -> None:
                                      init_std=0.2))
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(args.prompt_len)] for _ in range(args.repeats + 1)]
-    results = {tp: measure(args, model, tp, prompts) for tp in (1, 2)}
+    results = {name: measure(args, model, tp, threads, prompts) for name, tp, threads in CONFIGS}
 
     print(f"\nmodel {model}; {args.policy} budget {args.budget}; prompt {args.prompt_len}, decode {args.gen_len} "
           f"tokens; {args.repeats} prompts; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}")
-    print(f"{'TP':>3} | {'prefill ms (median / min)':>26} | {'decode ms/token (median / min)':>31} | peak pages")
-    for tp, r in results.items():
-        print(f"{tp:>3} | {statistics.median(r['prefill']) * 1e3:>12.1f} / {min(r['prefill']) * 1e3:>11.1f} | "
+    print(f"{'engine':<18} | {'prefill ms (median / min)':>26} | {'decode ms/token (median / min)':>31} | peak pages")
+    for name, r in results.items():
+        print(f"{name:<18} | {statistics.median(r['prefill']) * 1e3:>12.1f} / {min(r['prefill']) * 1e3:>11.1f} | "
               f"{statistics.median(r['decode']) * 1e3:>14.2f} / {min(r['decode']) * 1e3:>14.2f} | "
               f"{max(r['pages']):>10.0f}")
-    for tp, r in results.items():
-        print(f"TP {tp} per prompt: prefill ms {[round(x * 1e3, 1) for x in r['prefill']]}, "
+    for name, r in results.items():
+        print(f"{name} per prompt: prefill ms {[round(x * 1e3, 1) for x in r['prefill']]}, "
               f"decode ms/token {[round(x * 1e3, 2) for x in r['decode']]}")
 
 

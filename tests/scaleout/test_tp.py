@@ -54,3 +54,15 @@ def test_tp2_pages_stay_bounded(tp_outcomes, model):
         assert not problems, f"{spec}: " + "; ".join(problems[:4])
         final = {len(positions) for layer in outcome.kept for copies in layer.values() for positions in copies}
         assert len(final) == 1 and BUDGET <= final.pop() <= BUDGET + 32, f"{spec}: kept counts differ across heads"
+
+
+@pytest.mark.parametrize("tp_size,total,local,want", [
+    (2, 4, 2, [[0, 1], [2, 3]]),  # whole groups per rank
+    (2, 1, 1, [[0], [0]]),  # one head on both ranks
+    (4, 2, 1, [[0], [0], [1], [1]]),  # each head on two consecutive ranks
+    (8, 8, 1, [[h] for h in range(8)]),
+])
+def test_global_kv_heads_follow_vllm_sharding(tp_size, total, local, want):
+    from vllm_evict.engine.debug import global_kv_heads
+
+    assert [global_kv_heads(rank, tp_size, total, local) for rank in range(tp_size)] == want
