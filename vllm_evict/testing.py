@@ -6,8 +6,11 @@ from pathlib import Path
 
 
 def build_tiny_llama(directory: str | Path, *, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     head_dim: int = 32, vocab: int = 512, seed: int = 0) -> Path:
-    """A random GQA Llama with a word-level tokenizer (tokens 't0'..), saved as an HF folder."""
+                     head_dim: int = 32, vocab: int = 512, seed: int = 0, init_std: float = 0.02) -> Path:
+    """A random GQA Llama with a word-level tokenizer (tokens 't0'..), saved as an HF folder.
+
+    ``init_std`` is the weights' standard deviation: larger values give peakier attention, so scores
+    depend on content rather than mostly on token age."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -19,7 +22,8 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, heads: int = 4, 
     config = LlamaConfig(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=head_dim, max_position_embeddings=8192, tie_word_embeddings=True,
-                         bos_token_id=vocab - 2, eos_token_id=vocab - 1, torch_dtype="float32")
+                         bos_token_id=vocab - 2, eos_token_id=vocab - 1, torch_dtype="float32",
+                         initializer_range=init_std)
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
     words = [f"t{i}" for i in range(vocab - 3)] + ["<unk>", "<s>", "</s>"]
