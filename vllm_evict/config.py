@@ -2,7 +2,7 @@
 the HF reference runner and the tests alike.
 
 A policy spec is ``[META+]BASE``: ``snapkv``, ``keydiff``, ``caote+h2o``, ``criticalkv+snapkv``.
-Engine-level knobs (``schedule``, ``slack``, ``seed``) sit next to the policy's own options.
+Engine-level knobs (``schedule``, ``slack``, ``seed``, ``mode``) sit next to the policy's own options.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from vllm_evict.policies.base import Policy
 from vllm_evict.policies.options import check_choice, check_int
 from vllm_evict.schedule import SCHEDULES
 
-ENGINE_OPTIONS = ("schedule", "slack", "seed")
+ENGINE_OPTIONS = ("schedule", "slack", "seed", "mode")
+# fixed: the budget is a ceiling, kept by the schedule; elastic: the budget is a floor, and requests are
+# compressed toward it only when the KV pool runs short (instead of preempting).
+MODES = ("fixed", "elastic")
 DISABLED = ("none", "off", "")
 
 
@@ -55,10 +58,11 @@ class EvictionConfig:
     slack: int | None = None  # decode growth allowed before evicting back to budget (None: one page)
     seed: int = 0
     options: Mapping[str, Any] = field(default_factory=dict)
+    mode: str = "fixed"  # "fixed" or "elastic" (see MODES)
 
     @classmethod
     def from_spec(cls, spec: str, budget: Any = None, *, schedule: str | None = None, slack: Any = None,
-                  seed: Any = 0, **options: Any) -> "EvictionConfig":
+                  seed: Any = 0, mode: Any = "fixed", **options: Any) -> "EvictionConfig":
         meta, base = parse_spec(spec)
         if budget is None:
             raise ValueError("a KV budget is required: pass budget (tokens kept per layer and KV head), e.g. 2048")
@@ -66,6 +70,7 @@ class EvictionConfig:
         if slack is not None:
             check_int("slack", slack, minimum=1)
         check_int("seed", seed, minimum=0)
+        check_choice("mode", mode, MODES)
         normalised = f"{meta}+{base}" if meta else base
         policy = build_policy(meta, base, options)  # validates option names and values
         if schedule is None:
@@ -78,7 +83,7 @@ class EvictionConfig:
                 f"({_describe_protected(policy)}); raise the budget or shrink those options")
         policy.validate(budget)
         return cls(policy=normalised, budget=budget, schedule=schedule, slack=slack, seed=seed,
-                   options=dict(options))
+                   options=dict(options), mode=mode)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> "EvictionConfig":
@@ -95,6 +100,14 @@ class EvictionConfig:
         budget = data.pop("budget", None)
         return cls.from_spec(spec, budget, **data)
 
+    @property
+    def elastic(self) -> bool:
+        return self.mode == "elastic"
+
+    def slack_for(self, page_size: int) -> int:
+        """Decode slack in tokens: the configured one, or one KV page (the default, decided here only)."""
+        return self.slack if self.slack is not None else page_size
+
     def build_policy(self) -> Policy:
         meta, base = parse_spec(self.policy)
         return build_policy(meta, base, dict(self.options))
@@ -103,6 +116,8 @@ class EvictionConfig:
         out: dict[str, Any] = {"policy": self.policy, "budget": self.budget, "schedule": self.schedule, "seed": self.seed}
         if self.slack is not None:
             out["slack"] = self.slack
+        if self.mode != "fixed":
+            out["mode"] = self.mode
         out.update(self.options)
         return out
 

@@ -83,7 +83,7 @@ class Group:
     seq_len: Tensor  # int64: logical tokens after this step
     num_new: Tensor  # int64
     seed: Tensor  # int64
-    ring_rows: Tensor | None  # int64: each row's ring row (policies with a query window)
+    ring_rows: Tensor | None  # int64: each row's ring slot (policies with a query window)
     step_tokens: Tensor | None  # int64 [R, M]: the row's tokens of this step (query_window None)
     step_token_positions: Tensor | None  # int64 [R, M]: their positions, -1 on padding
     slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1 (see ``slot_addresses``)
@@ -102,16 +102,16 @@ class StepPlan:
 
 
 # ---- building a step (host side, once per step) ---------------------------------------------------
-def ring_entries(token_rows: np.ndarray, in_row: np.ndarray, counts: np.ndarray, computed: np.ndarray,
-                 window: int, trash_row: int) -> np.ndarray:
-    """Flat ring entry of each of the step's tokens: row * W + position % W for the last W tokens of
-    each row (earlier ones would be overwritten in the same write), the trash row otherwise.
+def ring_entries(token_rows: np.ndarray, slots: np.ndarray, in_row: np.ndarray, counts: np.ndarray,
+                 computed: np.ndarray, window: int, trash_row: int) -> np.ndarray:
+    """Flat ring entry of each of the step's tokens: slot * W + position % W for the last W tokens of
+    each row (earlier ones would be overwritten in the same write), the trash slot otherwise.
 
     token_rows, in_row [T]: each token's row and index within the row's tokens of this step;
-    counts, computed [rows]: tokens this step and logical tokens before it, per row."""
+    slots, counts, computed [rows]: each row's ring slot, tokens this step and logical tokens before it."""
     position = computed[token_rows] + in_row
     recent = in_row >= counts[token_rows] - window
-    return np.where(recent, token_rows, trash_row) * window + position % window
+    return np.where(recent, slots[token_rows], trash_row) * window + position % window
 
 
 def step_token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -123,16 +123,14 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
 def startup_length_bound(vllm_config: Any) -> int | None:
     """Most tokens one request of ``max_model_len`` tokens holds in cache under the server's eviction
     settings (``schedule.longest_request_bound``), or None without eviction."""
-    from vllm_evict.schedule import longest_request_bound
+    from vllm_evict.schedule import longest_bound
 
     mapping = (vllm_config.additional_config or {}).get("kv_eviction")
     if not mapping:
         return None
-    config = EvictionConfig.from_mapping(mapping)
-    return longest_request_bound(
-        max_model_len=vllm_config.model_config.max_model_len, budget=config.budget, schedule=config.schedule,
-        slack=config.slack if config.slack is not None else vllm_config.cache_config.block_size,
-        chunk=vllm_config.scheduler_config.max_num_batched_tokens)
+    return longest_bound(EvictionConfig.from_mapping(mapping), max_model_len=vllm_config.model_config.max_model_len,
+                         page_size=vllm_config.cache_config.block_size,
+                         chunk=vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def _wrap_startup_memory_check() -> None:
@@ -198,7 +196,7 @@ def check_request_fits(vllm_config: Any, request: Any) -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from vllm_evict.schedule import physical_bound
+    from vllm_evict.schedule import request_bound
 
     server = (vllm_config.additional_config or {}).get("kv_eviction")
     params = getattr(request, "sampling_params", None)
@@ -211,11 +209,8 @@ def check_request_fits(vllm_config: Any, request: Any) -> None:
     prompt_len = len(prompt) if prompt is not None else int(request.prompt_embeds.shape[0])
     max_new = params.max_tokens or 0
     # Worst case: preempted after its last token, it recomputes every output in chunks.
-    tokens = physical_bound(
-        prompt_len=prompt_len, max_new_tokens=max_new, replayed=max_new,
-        budget=config.budget if config else None, schedule=config.schedule if config else None,
-        slack=(config.slack or block_size) if config else 0,
-        chunk=vllm_config.scheduler_config.max_num_batched_tokens)
+    tokens = request_bound(config, prompt_len=prompt_len, max_new_tokens=max_new, replayed=max_new,
+                           page_size=block_size, chunk=vllm_config.scheduler_config.max_num_batched_tokens)
     needed, usable = -(-tokens // block_size), pages - 1  # one page is vLLM's null page
     if needed > usable:
         raise VLLMValidationError(

@@ -118,8 +118,8 @@ class _Run:
         pages = self.block_table[0, slots // PAGE_SIZE]
         ring_index = None
         if self.window:
-            entries = ring_entries(np.zeros(num_new, dtype=np.int64), np.arange(num_new), np.array([num_new]),
-                                   np.array([self.tokens_before]), self.window, trash_row=1)
+            entries = ring_entries(np.zeros(num_new, dtype=np.int64), np.zeros(1, dtype=np.int64), np.arange(num_new),
+                                   np.array([num_new]), np.array([self.tokens_before]), self.window, trash_row=1)
             ring_index = torch.from_numpy(entries).to(self.device)
         record = Record(pages=pages, offsets=slots % PAGE_SIZE, positions=positions.to(POSITION_DTYPE),
                         ring_index=ring_index)

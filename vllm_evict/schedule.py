@@ -3,7 +3,12 @@ the HF reference runner, so that all three agree on every request's physical len
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_evict.policies.base import Phase
+
+if TYPE_CHECKING:
+    from vllm_evict.config import EvictionConfig
 
 SCHEDULES = ("chunked", "oneshot")
 
@@ -73,3 +78,26 @@ def longest_request_bound(*, max_model_len: int, budget: int, schedule: str, sla
     shapes = [(max_model_len, 0, 0), (1, max_model_len - 1, max_model_len - 1)]
     return max(physical_bound(prompt_len=p, max_new_tokens=n, replayed=r, budget=budget, schedule=schedule,
                               slack=slack, chunk=chunk) for p, n, r in shapes)
+
+
+def _bound_schedule(config: "EvictionConfig") -> str:
+    # Elastic requests are compressed during chunked prefill when the pool runs short, so they are
+    # bounded like the chunked schedule.
+    return "chunked" if config.elastic else config.schedule
+
+
+def request_bound(config: "EvictionConfig | None", *, prompt_len: int, max_new_tokens: int, page_size: int,
+                  chunk: int, replayed: int = 0) -> int:
+    """``physical_bound`` of a request under ``config`` (None: eviction off for it): the one place that
+    turns a config into the bound's arguments, for admission, the never-fits check and start-up."""
+    if config is None:
+        return prompt_len + max_new_tokens
+    return physical_bound(prompt_len=prompt_len, max_new_tokens=max_new_tokens, replayed=replayed,
+                          budget=config.budget, schedule=_bound_schedule(config),
+                          slack=config.slack_for(page_size), chunk=chunk)
+
+
+def longest_bound(config: "EvictionConfig", *, max_model_len: int, page_size: int, chunk: int) -> int:
+    """``longest_request_bound`` under ``config``: what the start-up memory check must fit."""
+    return longest_request_bound(max_model_len=max_model_len, budget=config.budget,
+                                 schedule=_bound_schedule(config), slack=config.slack_for(page_size), chunk=chunk)

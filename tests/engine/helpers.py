@@ -78,5 +78,7 @@ def assert_worker_rows_clean(engine: Engine, pending_finish: bool = False) -> No
     rows, batch = runner.evict_rows, runner.input_batch
     used = batch.num_reqs
     assert (rows.policy[used:] == -1).all() and (rows.evicted[used:] == 0).all() and (rows.cached[used:] == 0).all()
+    assert (rows.slot[used:] == -1).all()
     if not pending_finish:
         assert set(batch.req_ids) <= set(engine.scheduler.requests)
+        assert rows.held_requests() <= set(engine.scheduler.requests)

@@ -4,9 +4,10 @@
   logical while compaction moves tokens to other slots);
 - ``states[name]`` fp32 [L, num_pages, H_kv, bs]: per-token policy state (H2O's accumulated
   attention, CriticalKV's projected value norms, ...), paged exactly like K and V;
-- ``ring`` [L, rows + 1, W, H_q, d] (model dtype): the last W queries of every input-batch row, for
-  policies with an observation window, and ``ring_positions`` int64 [rows + 1, W] (-1: empty). The
-  extra row is a trash row for tokens that must not land in any row's window.
+- ``ring`` [L, slots + 1, W, H_q, d] (model dtype): the last W queries of every running request, one
+  slot each (engine/rows.py hands them out), for policies with an observation window, and
+  ``ring_positions`` int64 [slots + 1, W] (-1: empty). The extra slot is a trash slot for tokens that
+  must not land in any request's window.
 
 One tensor across layers, so that what is the same for every layer (a new token's position, a state
 that starts at 0) is written once per step. ``token_bytes`` / ``ring_bytes`` let the worker count
@@ -97,16 +98,7 @@ class EvictionBuffers:
             positions.view(-1)[target] = old[stored]
         self.ring, self.ring_positions, self.window = ring, positions, window
 
-    def on_row(self, kind: str, a: int, b: int) -> None:
-        """Follow the input batch's row moves (see engine/rows.py)."""
-        if self.ring is None or self.ring_positions is None:
-            return
-        if kind == "add":
-            self.ring_positions[a].fill_(EMPTY)
-        elif kind == "move":
-            self.ring[:, b] = self.ring[:, a]
-            self.ring_positions[b] = self.ring_positions[a]
-        elif kind == "swap":
-            index = torch.tensor([b, a], device=self.ring.device)
-            self.ring[:, [a, b]] = self.ring[:, index]
-            self.ring_positions[[a, b]] = self.ring_positions[index]
+    def reset_slot(self, slot: int) -> None:
+        """A request takes ``slot`` of the ring: it starts with no queries."""
+        if self.ring_positions is not None:
+            self.ring_positions[slot].fill_(EMPTY)

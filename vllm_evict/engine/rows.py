@@ -1,11 +1,17 @@
 """Per-row eviction state of the model runner's input batch, kept in step with vLLM's own row moves.
 
 vLLM keeps every request of the running batch in a row of its ``InputBatch`` and moves rows around
-(``condense`` after requests finish, ``swap_states`` when it reorders). The eviction step needs a
-few numbers per row on every step (tokens evicted so far, which policy), so they live in persistent
-arrays indexed like vLLM's and follow the same moves: hooks on ``InputBatch.add_request`` and on the
-block table's ``move_row`` / ``swap_row``, which every row move in vLLM goes through. Nothing is
+(``condense`` after requests finish, ``swap_states`` when it reorders). It also takes a running request
+out of the batch for a step in which it is not scheduled, and puts it back (in any row) later. The
+eviction step needs a few numbers per row on every step (tokens evicted so far, which policy, where the
+request's recent queries are), so they live in persistent arrays indexed like vLLM's and follow the
+same moves: hooks on ``InputBatch.add_request`` / ``remove_request`` and on the block table's
+``move_row`` / ``swap_row`` / ``clear_row``, which every row move in vLLM goes through. A request that
+leaves the batch without finishing is parked and gets its numbers back when it returns. Nothing is
 rebuilt from Python lists per step.
+
+Each request also owns a slot of the query ring (engine/buffers.py) from its first step to its end
+(finish or preemption), so its recent queries never move, whatever happens to its row.
 """
 
 from __future__ import annotations
@@ -40,53 +46,86 @@ class PolicyTable:
 
 
 class RowTable:
-    """Host arrays over the input batch's rows (``max_rows`` of them)."""
+    """Host arrays over the input batch's rows (``max_rows`` of them), and the ring slots."""
+
+    FIELDS = ("evicted", "cached", "policy", "slot")
 
     def __init__(self, max_rows: int, server: dict[str, Any] | None, policies: PolicyTable,
-                 on_new_policy: Callable[[Policy], None] | None = None) -> None:
+                 on_new_policy: Callable[[Policy], None] | None = None,
+                 on_new_slot: Callable[[int], None] | None = None) -> None:
         self.server = server
         self.policies = policies
         self.on_new_policy = on_new_policy
+        self.on_new_slot = on_new_slot
         self.evicted = np.zeros(max_rows, dtype=np.int64)  # logical - physical tokens before the step
         self.cached = np.zeros(max_rows, dtype=np.int64)  # physical tokens after the last step
         self.policy = np.full(max_rows, -1, dtype=np.int64)  # index into ``policies``; -1: eviction off
-        self.listeners: list[Callable[[str, int, int], None]] = []  # (kind, a, b) after each move
+        self.slot = np.full(max_rows, -1, dtype=np.int64)  # the request's ring slot
+        self.parked: dict[str, tuple[int, int, int, int]] = {}  # out of the batch for a while, not finished
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(max_rows - 1, -1, -1))
+        self.forgotten: set[str] = set()  # finished or preempted in the step being set up
+
+    def _values(self, row: int) -> tuple[int, int, int, int]:
+        return tuple(int(getattr(self, f)[row]) for f in self.FIELDS)  # type: ignore[return-value]
+
+    def _set(self, row: int, values: tuple[int, int, int, int]) -> None:
+        for name, value in zip(self.FIELDS, values):
+            getattr(self, name)[row] = value
 
     def add(self, row: int, request: Any) -> None:
-        """A request (new, or resumed after preemption: recomputed from scratch) enters ``row``."""
+        """A request enters ``row``: new, back after a step out of the batch, or resumed after
+        preemption (then it was forgotten, and is recomputed from scratch)."""
+        request_id = request.req_id
+        if request_id in self.parked:
+            self._set(row, self.parked.pop(request_id))
+            return
         params = getattr(request, "sampling_params", None)
         config = resolve_request_config(self.server, params.extra_args if params is not None else None)
         known = len(self.policies)
-        self.policy[row] = -1 if config is None else self.policies.index_of(config)
+        policy = -1 if config is None else self.policies.index_of(config)
         if len(self.policies) > known and self.on_new_policy is not None:
             self.on_new_policy(self.policies.policies[-1])
-        self.evicted[row] = 0
-        self.cached[row] = 0
-        for listener in self.listeners:
-            listener("add", row, row)
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            slot = self.slot_of[request_id] = self.free_slots.pop()
+            if self.on_new_slot is not None:
+                self.on_new_slot(slot)
+        self._set(row, (0, 0, policy, slot))
+
+    def park(self, request_id: str, row: int) -> None:
+        """The request leaves the batch (before vLLM clears its row)."""
+        if request_id not in self.forgotten:
+            self.parked[request_id] = self._values(row)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished, was aborted or was preempted: nothing of it is kept."""
+        self.parked.pop(request_id, None)
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.forgotten.add(request_id)
 
     def clear(self, row: int) -> None:
-        """The row's request left the batch (finished, aborted or preempted)."""
-        self.evicted[row] = self.cached[row] = 0
-        self.policy[row] = -1
+        self._set(row, (0, 0, -1, -1))
 
     def move(self, src: int, tgt: int) -> None:
-        for array in (self.evicted, self.cached, self.policy):
-            array[tgt] = array[src]
+        self._set(tgt, self._values(src))
         self.clear(src)
-        for listener in self.listeners:
-            listener("move", src, tgt)
 
     def swap(self, a: int, b: int) -> None:
-        for array in (self.evicted, self.cached, self.policy):
-            array[[a, b]] = array[[b, a]]
-        for listener in self.listeners:
-            listener("swap", a, b)
+        values_a = self._values(a)
+        self._set(a, self._values(b))
+        self._set(b, values_a)
+
+    def held_requests(self) -> set[str]:
+        """Requests this table holds anything for (out of the batch or in it)."""
+        return set(self.parked) | set(self.slot_of)
 
 
 def install_row_hooks(input_batch: Any, rows: RowTable) -> None:
-    """Make ``input_batch`` report row additions and moves to ``rows`` (class swap of the instances;
-    idempotent)."""
+    """Make ``input_batch`` report row additions, removals and moves to ``rows`` (class swap of the
+    instances; idempotent)."""
     input_batch.evict_rows = rows
     block_table = input_batch.block_table
     block_table.evict_rows = rows
@@ -113,6 +152,12 @@ class _InputBatchHooks:
         row = super().add_request(request)  # type: ignore[misc]
         self.evict_rows.add(row, request)
         return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        row = self.req_id_to_index.get(req_id)  # type: ignore[attr-defined]
+        if row is not None:
+            self.evict_rows.park(req_id, row)
+        return super().remove_request(req_id)  # type: ignore[misc]
 
 
 class _BlockTableHooks:

@@ -108,8 +108,7 @@ class EvictRunnerMixin:
                             dtype=first.kv_cache.dtype, device=first.kv_cache.device)
         self.evict_buffers = buffers = EvictionBuffers(geometry)
         self.evict_rows = rows = RowTable(geometry.max_rows, self.evict_server, self.evict_policies,
-                                          on_new_policy=self._on_new_policy)
-        rows.listeners.append(buffers.on_row)
+                                          on_new_policy=self._on_new_policy, on_new_slot=buffers.reset_slot)
         install_row_hooks(self.input_batch, rows)  # type: ignore[attr-defined]
         self.evict_builder = StepBuilder(rows, buffers, geometry.device)
         head_offset = self._kv_head_offset(geometry.kv_heads)
@@ -182,9 +181,16 @@ class EvictRunnerMixin:
 
     # ---- step bookkeeping ----------------------------------------------------------------------
     def _update_states(self, scheduler_output: Any) -> Any:
-        if self.evict_rows is not None:
-            self._apply_compactions(scheduler_output)
-        return super()._update_states(scheduler_output)  # type: ignore[misc]
+        rows = self.evict_rows
+        if rows is None:
+            return super()._update_states(scheduler_output)  # type: ignore[misc]
+        self._apply_compactions(scheduler_output)
+        for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
+            rows.forget(request_id)  # before vLLM adds this step's new requests: their ring slots are free
+        try:
+            return super()._update_states(scheduler_output)  # type: ignore[misc]
+        finally:
+            rows.forgotten.clear()
 
     def _apply_compactions(self, scheduler_output: Any) -> None:
         """Last step compacted these requests and the scheduler has freed their tail pages: drop those

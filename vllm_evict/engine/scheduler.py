@@ -26,7 +26,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_evict.config import EvictionConfig, resolve_request_config
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
-from vllm_evict.schedule import eviction_target, phase_of, physical_bound
+from vllm_evict.schedule import eviction_target, phase_of, request_bound
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
@@ -67,7 +67,7 @@ class EvictScheduler(Scheduler):
         return self.eviction_configs.get(request_id)
 
     def slack_of(self, config: EvictionConfig) -> int:
-        return config.slack if config.slack is not None else self.page_size
+        return config.slack_for(self.page_size)
 
     def admission_tokens(self, request: Request) -> int:
         """Tokens ``request`` will hold while computing the tokens it has now (prompt, plus outputs
@@ -75,10 +75,9 @@ class EvictScheduler(Scheduler):
         ``num_tokens`` tokens, this is the same reservation under eviction (never more)."""
         config = self.config_of(request.request_id)
         replayed = request.num_tokens - request.num_prompt_tokens
-        tokens = physical_bound(
-            prompt_len=request.num_prompt_tokens, max_new_tokens=replayed, replayed=replayed,
-            budget=config.budget if config else None, schedule=config.schedule if config else None,
-            slack=self.slack_of(config) if config else 0, chunk=self.scheduler_config.max_num_batched_tokens)
+        tokens = request_bound(config, prompt_len=request.num_prompt_tokens, max_new_tokens=replayed,
+                               replayed=replayed, page_size=self.page_size,
+                               chunk=self.scheduler_config.max_num_batched_tokens)
         return min(tokens, self.vllm_config.model_config.max_model_len)
 
     # ---- the step -----------------------------------------------------------------------------

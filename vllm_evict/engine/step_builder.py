@@ -131,8 +131,8 @@ class StepBuilder:
         ring_index = None
         if self.buffers.window:
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
-            entries = ring_entries(token_rows, runner.query_pos.np[:num_tokens], scheduled, computed,
-                                   self.buffers.window, self.buffers.trash_row)
+            entries = ring_entries(token_rows, self.rows.slot[:num_reqs], runner.query_pos.np[:num_tokens],
+                                   scheduled, computed, self.buffers.window, self.buffers.trash_row)
             ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=runner.positions[:num_tokens].to(torch.int32), ring_index=ring_index)
@@ -148,5 +148,5 @@ class StepBuilder:
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
                            scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
                            keep=keep[rows] if evicting else None,
-                           ring_rows=rows if self.buffers.ring is not None else None,
+                           ring_rows=self.rows.slot[rows] if self.buffers.ring is not None else None,
                            token_starts=runner.query_start_loc.np[rows])
