@@ -23,7 +23,7 @@ import contextvars
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -131,8 +131,9 @@ class _Run:
         record_step(self.positions, self.states, self.plan)
         self.phase = phase_of(self.tokens_before, num_new, self.prompt_len)
         cached_after = self.cached + num_new
-        self.keep = eviction_target(phys_after=cached_after, phase=self.phase, budget=self.config.budget,
-                                    schedule=self.config.schedule, slack=self.slack)
+        self.keep = None if self.config.elastic else eviction_target(  # elastic: only when compressed
+            phys_after=cached_after, phase=self.phase, budget=self.config.budget, schedule=self.config.schedule,
+            slack=self.slack)
         if self.keep is None and not self.policy.needs_every_step:
             return
         pages_used = -(-cached_after // PAGE_SIZE)
@@ -142,6 +143,27 @@ class _Run:
             computed=one(self.tokens_before), scheduled=one(num_new), seed=one(self.config.seed),
             keep=one(self.keep) if self.keep is not None else None,
             ring_rows=one(0) if self.window else None, token_starts=one(0)))
+
+    def compress(self, keep: int) -> None:
+        """Elastic mode's compression before a step: the cache as the last step left it, scored with the
+        latest queries of the window, cut to ``keep`` tokens (engine/step_builder.compress_before_forward)."""
+        if self.policy is None or keep >= self.cached:
+            return
+        one = lambda value: np.array([value], dtype=np.int64)  # noqa: E731
+        phase = Phase.DECODE if self.tokens_before >= self.prompt_len else Phase.PREFILL
+        group = build_group(
+            self.policy, phase, self.block_table[:, :-(-self.cached // PAGE_SIZE)], PAGE_SIZE,
+            lengths=one(self.cached), computed=one(self.tokens_before), scheduled=one(0), seed=one(self.config.seed),
+            keep=one(keep), ring_rows=one(0) if self.window else None, token_starts=one(0))
+        nothing = torch.zeros(0, dtype=torch.int64, device=self.device)
+        plan = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(POSITION_DTYPE),
+                                      ring_index=None), groups=[group], ring_positions=self.ring_positions)
+        no_queries = torch.zeros(0, self.query_heads, self.head_size, dtype=self.dtype, device=self.device)
+        for cache in self.caches:
+            evict_layer(cache, plan, no_queries)
+            self.trace.append(EvictionEvent(step=self.step, layer=cache.index, phase=phase,
+                                            seq_len=self.tokens_before, phys_before=self.cached, kept=keep))
+        self.cached = keep
 
     def end_step(self) -> None:
         self.tokens_before += self.num_new
@@ -245,12 +267,14 @@ def _eos_ids(model: Any) -> set[int]:
 @torch.inference_mode()
 def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: EvictionConfig | None,
                   max_new_tokens: int, chunk_size: int | Sequence[int] = 128, slack: int = 1, *, tokenizer: Any = None,
-                  ignore_eos: bool = False) -> ReferenceResult:
+                  ignore_eos: bool = False, compressions: Mapping[int, Sequence[int]] | None = None) -> ReferenceResult:
     """Greedy generation with the engine's eviction mechanics (see the module docstring).
 
     ``slack`` is the decode slack used when ``config.slack`` is None (the engine's page size plays that
     role there). ``config=None`` runs plain generation through the same attention path.
     With ``ignore_eos=False`` generation stops after an EOS token (which is returned).
+    ``compressions`` replays elastic mode: {step index: [tokens kept, ...]} compresses the cache before
+    that forward step, once per entry, in order (the engine's ``EvictionPlan.compress``).
     """
     _register()
     if isinstance(model_or_path, (str, os.PathLike, Path)):
@@ -283,6 +307,8 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
         while max_new_tokens > 0:
             step_tokens = pending.pop(0) if pending else [generated[-1]]
             m = len(step_tokens)
+            for keep in (compressions or {}).get(run.step, ()):
+                run.compress(keep)
             run.begin_step(m)
             positions = torch.arange(run.tokens_before, run.tokens_before + m, device=device)
             out = model(input_ids=torch.tensor([step_tokens], device=device), position_ids=positions.view(1, m),

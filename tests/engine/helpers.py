@@ -69,16 +69,18 @@ def chosen_logprobs(output: Any) -> list[float]:
     return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
 
 
-def assert_worker_rows_clean(engine: Engine, pending_finish: bool = False) -> None:
-    """The worker holds eviction state only in the rows of requests still in its batch.
-
-    ``pending_finish``: the worker hears of a finish with the next step, as vLLM's own runner does, so
-    rows of requests the scheduler already finished may still be in the batch."""
+def assert_worker_rows_clean(engine: Engine, pending_finish: bool = True) -> None:
+    """The worker holds eviction state only for requests that are alive: in the rows of its batch, and
+    for running requests a step left out (parked). The worker hears of a finish with the next step, as
+    vLLM's own runner does, so the batch may still hold requests the scheduler has finished
+    (``pending_finish``; False asserts that the batch holds none)."""
     runner = engine.runner
     rows, batch = runner.evict_rows, runner.input_batch
     used = batch.num_reqs
     assert (rows.policy[used:] == -1).all() and (rows.evicted[used:] == 0).all() and (rows.cached[used:] == 0).all()
     assert (rows.slot[used:] == -1).all()
+    alive = set(engine.scheduler.requests)
+    assert set(rows.parked) <= alive, "the worker keeps state for a finished request"
+    assert set(rows.slot_of) <= alive | set(batch.req_ids), "a finished request still owns a ring slot"
     if not pending_finish:
-        assert set(batch.req_ids) <= set(engine.scheduler.requests)
-        assert rows.held_requests() <= set(engine.scheduler.requests)
+        assert set(batch.req_ids) <= alive

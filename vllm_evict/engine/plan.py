@@ -17,3 +17,9 @@ class EvictionPlan:
     # request id -> tokens physically cached after this step's tokens, before eviction: the worker
     # checks its own count against it, so a disagreement stops the step instead of corrupting a cache
     cached: dict[str, int] = field(default_factory=dict)
+    # Elastic mode: requests compressed BEFORE this step's forward (engine/elastic.py): request id ->
+    # tokens kept, the tokens cached before, and the request's whole page list after the compression
+    # (it replaces the new block ids vLLM would send, some of which the request gave back).
+    compress: dict[str, int] = field(default_factory=dict)
+    compress_cached: dict[str, int] = field(default_factory=dict)
+    compress_pages: dict[str, list[int]] = field(default_factory=dict)

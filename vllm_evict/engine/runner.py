@@ -28,7 +28,7 @@ from vllm_evict.engine.buffers import EvictionBuffers, Geometry, ring_bytes
 from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
-from vllm_evict.engine.step_builder import BuiltStep, StepBuilder
+from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.paged import gather_tokens
 from vllm_evict.policies.base import Policy
@@ -185,6 +185,9 @@ class EvictRunnerMixin:
         if rows is None:
             return super()._update_states(scheduler_output)  # type: ignore[misc]
         self._apply_compactions(scheduler_output)
+        plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
+        if plan is not None and plan.compress:
+            compress_before_forward(self, plan)
         for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
             rows.forget(request_id)  # before vLLM adds this step's new requests: their ring slots are free
         try:

@@ -25,6 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_evict.config import EvictionConfig, resolve_request_config
+from vllm_evict.engine.elastic import ElasticCompressor
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.schedule import eviction_target, phase_of, request_bound
 
@@ -53,6 +54,7 @@ class EvictScheduler(Scheduler):
         self.page_size = self.attention_manager.block_size
         self.kv_cache_manager.__class__ = _evicting_manager_class(type(self.kv_cache_manager))
         self.kv_cache_manager.eviction = self
+        self.elastic = ElasticCompressor(self)
 
     # ---- per-request configuration ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -83,12 +85,14 @@ class EvictScheduler(Scheduler):
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._free_evicted_pages()
+        self.elastic.begin_step()
         output = super().schedule(*args, **kwargs)
         self._forget_gone_requests()
         plan = EvictionPlan()
+        self.elastic.finish_step(output, plan)
         for request_id, num_new in output.num_scheduled_tokens.items():
             config = self.config_of(request_id)
-            if config is None:
+            if config is None or config.elastic:  # elastic requests evict only when the pool is short
                 continue
             request = self.requests[request_id]
             tokens_before = request.num_computed_tokens - num_new  # vLLM has already advanced it
@@ -121,6 +125,8 @@ class EvictScheduler(Scheduler):
         # Recompute-preemption drops every page and restarts from token 0.
         self.evicted.pop(request.request_id, None)
         self.pending_keep.pop(request.request_id, None)
+        self.elastic.compressions.pop(request.request_id, None)
+        self.elastic.allocated_now.pop(request.request_id, None)
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         outputs = super().update_from_output(*args, **kwargs)
@@ -167,9 +173,25 @@ class EvictKVCacheManagerMixin:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         scheduler = self.eviction
+        admission = kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None
+        result = self._allocate_physical(request, num_new_tokens, *args, **kwargs)
+        lookahead = kwargs.get("num_lookahead_tokens", 0)
+        elastic = scheduler.elastic
+        if result is None and elastic.any_elastic():
+            wanted = elastic.deficit(self, request, num_new_tokens, lookahead,
+                                     scheduler.admission_tokens(request) if admission else None)
+            admitting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if elastic.free_pages(wanted, admitting) > 0:
+                result = self._allocate_physical(request, num_new_tokens, *args, **kwargs)
+        if result is not None:
+            elastic.note_allocation(request.request_id, num_new_tokens + lookahead)
+        return result
+
+    def _allocate_physical(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        scheduler = self.eviction
         evicted = scheduler.evicted.get(request.request_id, 0)
         if kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None:
-            kwargs["full_sequence_must_fit"] = False
+            kwargs = {**kwargs, "full_sequence_must_fit": False}
             if not self._bounded_sequence_fits(request, kwargs.get("has_scheduled_reqs", True)):
                 return None
         request.num_computed_tokens -= evicted

@@ -18,7 +18,7 @@ from vllm_evict.engine.buffers import EvictionBuffers
 from vllm_evict.engine.plan import EvictionPlan
 from vllm_evict.engine.rows import RowTable
 from vllm_evict.evict_step import (
-    Group, Record, StepPlan, build_group, record_step, ring_entries, state_initializers,
+    Group, Record, StepPlan, build_group, evict_layer, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.policies.base import Phase, Policy
 
@@ -150,3 +150,64 @@ class StepBuilder:
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[rows] if self.buffers.ring is not None else None,
                            token_starts=runner.query_start_loc.np[rows])
+
+
+# ---- elastic mode: compression before the forward ------------------------------------------------
+def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
+    """Compact the requests the scheduler compressed for this step (``plan.compress``), before the
+    forward writes anything into the pages they gave back, then give them their new page lists.
+
+    A victim may be in the batch or parked out of it (engine/rows.py); it is scored on its cache as the
+    last step left it, with the latest queries of its window, and adds no token."""
+    rows, layers = runner.evict_rows, runner.evict_layers
+    batch = runner.input_batch
+    page = runner.evict_buffers.geometry.page_size
+    victims = []
+    for request_id, keep in plan.compress.items():
+        row = batch.req_id_to_index.get(request_id)
+        evicted, cached, policy, slot = rows.parked[request_id] if row is None else (
+            int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), int(rows.slot[row]))
+        if cached != plan.compress_cached[request_id]:
+            raise RuntimeError(f"vllm_evict: worker and scheduler disagree on request {request_id}: the worker "
+                               f"has {cached} tokens cached, the scheduler compresses from "
+                               f"{plan.compress_cached[request_id]}")
+        request = runner.requests[request_id]
+        logical = cached + evicted
+        phase = 2 if logical >= len(request.prompt_token_ids or ()) else 0
+        victims.append((request_id, row, evicted, cached, policy, slot, keep, phase, list(request.block_ids[0])))
+    groups = []
+    for key in sorted({(v[4], v[7]) for v in victims}):
+        members = [v for v in victims if (v[4], v[7]) == key]
+        width = max(-(-v[3] // page) for v in members)
+        table = np.zeros((len(members), width), dtype=np.int64)
+        for i, v in enumerate(members):
+            table[i, :len(v[8][:width])] = v[8][:width]
+        column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
+        policy = rows.policies.policies[key[0]]
+        groups.append(build_group(
+            policy, PHASES[key[1]], torch.from_numpy(table).to(runner.evict_buffers.geometry.device), page,
+            lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
+            seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
+            ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
+            token_starts=np.zeros(len(members), dtype=np.int64)))
+    device = runner.evict_buffers.geometry.device
+    nothing = torch.zeros(0, dtype=torch.int64, device=device)
+    step = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32), ring_index=None),
+                    groups=groups, ring_positions=runner.evict_buffers.ring_positions)
+    geometry = runner.evict_buffers.geometry
+    no_queries = torch.zeros(0, geometry.query_heads, geometry.head_size, dtype=geometry.dtype, device=device)
+    for cache in layers:
+        evict_layer(cache, step, no_queries)
+    table = batch.block_table[0]
+    for request_id, row, evicted, cached, policy, slot, keep, _, _ in victims:
+        pages = plan.compress_pages[request_id]
+        runner.requests[request_id].block_ids[0][:] = pages
+        values = (evicted + cached - keep, keep, policy, slot)
+        if row is None:
+            rows.parked[request_id] = values
+            continue
+        held = int(table.num_blocks_per_row[row])
+        table.block_table.np[row, :len(pages)] = pages
+        table.block_table.np[row, len(pages):max(held, len(pages))] = 0
+        table.num_blocks_per_row[row] = len(pages)
+        rows.evicted[row], rows.cached[row] = values[0], values[1]
