@@ -186,6 +186,14 @@ class Policy(ABC):
         """Finite, non-negative attention-like mass [H_kv, n] (only for ``is_attention_mass`` policies)."""
         raise NotImplementedError(f"{self.name} has no attention-mass score")
 
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        """The attention mass this policy ranks its unprotected tokens by: its ``scores`` before protection.
+
+        CriticalKV's stage 1 reads this; CAOTE reads ``attention_mass``. They differ where the method's
+        own ranking is not the per-KV-head output weight CAOTE needs (SnapKV, TOVA); default: the same.
+        """
+        return self.attention_mass(inp)
+
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         """Bool [H_kv, n]: tokens that are always kept. Default: none."""
         return torch.zeros(inp.positions.shape, dtype=torch.bool, device=inp.device)

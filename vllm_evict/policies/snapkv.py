@@ -40,17 +40,21 @@ class SnapKV(Policy):
         return inp.kernels.column_sums(inp, inp.queries, inp.query_positions) / inp.group_size
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        """Pooled over the whole token axis, window tokens included, so the mass is finite everywhere:
-        CAOTE needs that for its normalisation (caote.md §3.1)."""
+        """The window's mass pooled over the whole token axis, window tokens included: finite for every
+        candidate, as CAOTE's output weights need (caote.md §3.1)."""
         return pool_in_position_order(self.window_mass(inp), inp.positions, self.kernel, self.pooling)
+
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        """SnapKV's own statistic: the window's columns are dropped before pooling (zeroing them before
+        zero-padded pooling is the same thing), so the tokens just before the window get no share of the
+        window's attention to itself (criticalkv.md §2.5 step 3; what CriticalKV's stage 1 ranks by)."""
+        raw = self.window_mass(inp).masked_fill(recent_mask(inp.positions, self.window), 0.0)
+        return pool_in_position_order(raw, inp.positions, self.kernel, self.pooling)
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         return recent_mask(inp.positions, self.window) | sink_mask(inp.positions, self.sinks)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        """As the original SnapKV: only the tokens before the window are scored and pooled (zeroing
-        the window before zero-padded pooling is the same thing), the window is kept outright."""
-        protected = self.protected_mask(inp)
-        raw = self.window_mass(inp).masked_fill(recent_mask(inp.positions, self.window), 0.0)
-        pooled = pool_in_position_order(raw, inp.positions, self.kernel, self.pooling)
-        return protect(pooled, protected)
+        """As the original SnapKV: only the tokens before the window are scored and pooled, the window is
+        kept outright."""
+        return protect(self.ranking_mass(inp), self.protected_mask(inp))

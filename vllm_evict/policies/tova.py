@@ -1,27 +1,59 @@
 """TOVA, Token Omission Via Attention (Oren et al., 2024): keep the tokens the newest query attends to.
 
 The score is the attention row of the last query (the last token of a prefill block, or the token
-being decoded), averaged over the G query heads of each KV head's group as the CAOTE/KeyDiff harness
-does (caote.md §3.1, §8). The original paper averages over all heads of a layer instead.
+being decoded). Option ``heads`` says over which query heads it is averaged:
+
+- ``"layer"`` (default): over all H_q query heads of the layer, as the TOVA paper and NVIDIA kvpress do,
+  so every KV head of a layer keeps the same tokens;
+- ``"group"``: over the G query heads of each KV head's GQA group (the CAOTE/KeyDiff harness reading,
+  caote.md §3.1), so each KV head chooses on its own.
+
+``attention_mass`` stays the group mean in both modes: it is the per-KV-head output weight that CAOTE
+normalises (caote.md §3.1, §3.7); ``ranking_mass`` is what TOVA itself (and CriticalKV's stage 1)
+ranks by.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from vllm_evict.policies.base import EvictionInputs, SinksAndRecent, protect
+from vllm_evict.policies.options import check_choice
+
+HEADS = ("layer", "group")
+
+
+def layer_mean(per_query_head: Tensor, positions: Tensor) -> Tensor:
+    """Mean over all query heads of the layer, per logical position: [H_kv, G, n] -> [H_kv, n].
+
+    Each candidate gets the mean, over the H_q query heads, of the attention its logical position
+    receives; a query head whose KV head no longer holds that position contributes 0 (as attention to
+    an evicted token). Matching by position, not by slot, keeps this right whatever the slot order.
+    """
+    h_kv, group, n = per_query_head.shape
+    per_kv_head = per_query_head.sum(dim=1)  # [H_kv, n]
+    unique, inverse = torch.unique(positions, return_inverse=True)
+    totals = torch.zeros(unique.numel(), dtype=per_kv_head.dtype, device=per_kv_head.device)
+    totals.scatter_add_(0, inverse.reshape(-1), per_kv_head.reshape(-1))
+    return totals[inverse] / (h_kv * group)
 
 
 class TOVA(SinksAndRecent):
     name = "tova"
-    summary = "attention of the newest query (GQA group mean); evicts what it ignores"
+    summary = "attention of the newest query (mean over the layer's query heads); evicts what it ignores"
     paper = "Oren et al., Transformers are Multi-State RNNs (TOVA, 2024)"
     one_shot = False
     is_attention_mass = True
+    defaults = {**SinksAndRecent.defaults, "heads": "layer"}
 
     @property
     def query_window(self) -> int:
         return 1
+
+    def check_options(self) -> None:
+        super().check_options()
+        check_choice("heads", self.heads, HEADS)
 
     def group_masses(self, inp: EvictionInputs) -> Tensor:
         """A^(g)_{last, j} for every query head g of each group: [H_kv, G, n] (CAOTE's per-head mode)."""
@@ -32,5 +64,10 @@ class TOVA(SinksAndRecent):
         """h_j = (1/G) sum_g A^(g)_{last, j}: one softmax row per query head, so it sums to 1 per KV head."""
         return inp.kernels.column_sums(inp, inp.queries[:, -1:], inp.query_positions[-1:]) / inp.group_size
 
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        if self.heads == "group":
+            return self.attention_mass(inp)
+        return layer_mean(self.group_masses(inp), inp.positions)
+
     def scores(self, inp: EvictionInputs) -> Tensor:
-        return protect(self.attention_mass(inp), self.protected_mask(inp))
+        return protect(self.ranking_mass(inp), self.protected_mask(inp))
