@@ -3,6 +3,10 @@ the token axis; the window's own tokens are always kept.
 
 Defaults follow the CAOTE/KeyDiff harness (spec caote.md §3.1, keydiff.md §8): window 32 queries,
 average pooling with kernel 7, the 32 most recent tokens protected, GQA group mean.
+
+Two masses, for two readers: ``ranking_mass`` is SnapKV's own ranking (window columns dropped, each query
+head pooled, then the group mean; CriticalKV's stage 1 reads it too), ``attention_mass`` is the finite
+mass over every candidate, window included, that CAOTE normalises into output weights.
 """
 
 from __future__ import annotations
@@ -45,11 +49,15 @@ class SnapKV(Policy):
         return pool_in_position_order(self.window_mass(inp), inp.positions, self.kernel, self.pooling)
 
     def ranking_mass(self, inp: EvictionInputs) -> Tensor:
-        """SnapKV's own statistic: the window's columns are dropped before pooling (zeroing them before
-        zero-padded pooling is the same thing), so the tokens just before the window get no share of the
-        window's attention to itself (criticalkv.md §2.5 step 3; what CriticalKV's stage 1 ranks by)."""
-        raw = self.window_mass(inp).masked_fill(recent_mask(inp.positions, self.window), 0.0)
-        return pool_in_position_order(raw, inp.positions, self.kernel, self.pooling)
+        """SnapKV's own statistic (criticalkv.md §2.5 steps 3-5, as the reference implementations): per
+        query head, the window's column sums with the window's own columns dropped (zeroing them before
+        zero-padded pooling is the same thing), pooled, then the GQA group mean. So the tokens just before
+        the window get no share of the window's attention to itself; this is what CriticalKV's stage 1
+        ranks by. Pooling each query head before the mean matters for max pooling only."""
+        per_head = inp.kernels.column_sums(inp, inp.queries, inp.query_positions, per_query_head=True)
+        window = recent_mask(inp.positions, self.window).unsqueeze(1)  # [H_kv, 1, n]
+        pooled = pool_in_position_order(per_head.masked_fill(window, 0.0), inp.positions, self.kernel, self.pooling)
+        return pooled.mean(dim=1)
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         return recent_mask(inp.positions, self.window) | sink_mask(inp.positions, self.sinks)
