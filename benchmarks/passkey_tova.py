@@ -2,7 +2,7 @@
 mean (``heads="group"``) and the full cache, on ~2,000-token prompts.
 
     python benchmarks/passkey_tova.py                 # Qwen2.5-Coder-0.5B-Instruct, 12 prompts, budget 120
-    python benchmarks/passkey_tova.py --budget 256 --prompts 6 --eviction-config '{"schedule": "oneshot"}'
+    python benchmarks/passkey_tova.py --eviction-config '{"schedule": "oneshot"}' --no-full
 
 The prompts are the project's passkey recipe (tests/engine/test_quality_passkey.py: grass filler, a needle
 with a new 5-digit key, raw completion, greedy, 8 new tokens; a hit is the key in the output) with the
@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eviction-config", type=json.loads, default={}, metavar="JSON",
                         help="more engine eviction options, e.g. '{\"schedule\": \"oneshot\"}'")
     parser.add_argument("--dtype", default="float32", help="model dtype (float32)")
+    parser.add_argument("--no-full", action="store_true", help="skip the full-cache run (it does not depend on "
+                                                               "--budget or --eviction-config)")
     return parser.parse_args(argv)
 
 
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
           f"depths {list(depths)}")
     results = {}
     for name, extra in VARIANTS.items():
+        if args.no_full and name == "full cache":
+            continue
         params = SamplingParams(max_tokens=8, temperature=0.0, extra_args=extra)
         start = time.monotonic()
         outputs = llm.generate([prompt for prompt, _ in prompts], params, use_tqdm=False)
