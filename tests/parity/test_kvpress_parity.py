@@ -16,8 +16,10 @@ keydiff            -                                          KeyDiffPress()
 knorm              -                                          KnormPress()
 =================  =========================================  ===================================================
 
-About 80 s on 2 cores (3 prompts: one kvpress forward serves all six presses, then one reference run per
-method; plus one run through kvpress's own hooks and one TOVA run with heads="group").
+About 65 s of CPU on one thread (3 prompts: one kvpress forward serves all six presses, then one reference
+run per method; plus one run through kvpress's own hooks and one TOVA run with heads="group"); 3 to 6 min
+wall on a 2-core machine shared with other jobs. Measured tie swaps: none for KeyDiff; 4, 5 and 1 pairs for
+key-norm, all between exactly equal kvpress scores.
 """
 
 from __future__ import annotations
