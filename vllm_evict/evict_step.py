@@ -90,6 +90,7 @@ class Group:
     slot_offsets: Tensor  # int64 [R, N]
     budget: Tensor | None = None  # int64: tokens kept per head (None: nothing evicted)
     budget_max: int = 0
+    max_seq_len: int = 0  # host: the largest seq_len
     labels: list = field(default_factory=list)  # caller's ids of the rows (request ids), for records
 
 
@@ -153,7 +154,8 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                  ring_rows=ring_t if ring_rows is not None else None, step_tokens=step_tokens,
                  step_token_positions=step_positions, slot_pages=pages, slot_offsets=offsets,
                  budget=budget if keep is not None else None,
-                 budget_max=int(keep.max()) if keep is not None else 0)
+                 budget_max=int(keep.max()) if keep is not None else 0,
+                 max_seq_len=int((computed + scheduled).max()))
 
 
 # ---- record phase ---------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         positions=positions, lengths=group.lengths, queries=queries, query_positions=query_positions,
         scale=cache.scale, seq_len=group.seq_len, num_new=group.num_new, phase=group.phase, state=state,
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
-        budget=group.budget, budget_max=group.budget_max,
+        budget=group.budget, budget_max=group.budget_max, max_seq_len=group.max_seq_len,
         ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
                           block_table=group.block_table, lengths=group.lengths, width=group.width))
 

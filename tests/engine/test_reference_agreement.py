@@ -30,6 +30,7 @@ def engine_kept_positions(engine, prompt_ids, params):
 
 @pytest.mark.parametrize("spec,schedule", [("keydiff", "chunked"), ("h2o", "chunked"), ("snapkv", "oneshot"),
                                            ("caote+snapkv", "chunked"), ("criticalkv+snapkv", "oneshot"),
+                                           ("tova", "chunked"),
                                            ("ahakv", "oneshot"), ("nacl", "oneshot")])
 def test_engine_keeps_what_the_reference_keeps(smollm2_path, engine_factory, spec, schedule):
     budget = 96

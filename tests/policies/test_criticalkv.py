@@ -13,7 +13,7 @@ from vllm_evict.dense import protect, value_norms
 from vllm_evict.policies.base import EvictionInputs, Policy
 from vllm_evict.policies.criticalkv import CriticalKV, two_stage_keep
 
-from .helpers import make_inputs, step, with_budget, with_initial_state
+from .helpers import make_inputs, naive_rows_of, step, with_budget, with_initial_state
 
 
 def keep_one(s1, nu, protected, budget, alpha, epsilon):
@@ -166,12 +166,35 @@ def test_snapkv_mass_is_normalised_by_window_rows():
     inp = make_inputs(h_kv=2, group=2, n=48, d=8, w=8, seed=3)
     policy = EvictionConfig.from_spec("criticalkv+snapkv", budget=20, window=8).build_policy()
     inp = with_initial_state(policy, inp)
-    torch.testing.assert_close(policy.stage1_scores(inp), policy.base.attention_mass(inp) / 8)
+    torch.testing.assert_close(policy.stage1_scores(inp), policy.base.ranking_mass(inp) / 8)
     h2o = EvictionConfig.from_spec("criticalkv+h2o", budget=20).build_policy()
     acc = torch.rand(1, 2, 48)
     torch.testing.assert_close(h2o.stage1_scores(inp.with_state({"acc": acc})), acc / 48)  # seq_len rows
     tova = EvictionConfig.from_spec("criticalkv+tova", budget=20).build_policy()
-    torch.testing.assert_close(tova.stage1_scores(inp), tova.base.attention_mass(inp))  # one row
+    torch.testing.assert_close(tova.stage1_scores(inp), tova.base.ranking_mass(inp))  # one row
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_snapkv_stage_one_drops_the_window_columns_before_pooling(pooling):
+    """Spec §2.5 steps 3-5: mean over the window rows of each query head, the window's own columns dropped,
+    pooled (kernel 7, zero padding at the cut), then the group mean, written out in float64."""
+    h_kv, group, n, w = 2, 3, 40, 8
+    inp = make_inputs(h_kv=h_kv, group=group, n=n, d=8, w=w, seed=12)
+    policy = EvictionConfig.from_spec("criticalkv+snapkv", budget=24, window=w, pooling=pooling).build_policy()
+    inp = with_initial_state(policy, inp)
+    rows = naive_rows_of(inp)
+    prefix = rows[:, :, :n - w].mean(dim=1)  # [H_q, n - w]
+    pool = torch.nn.functional.avg_pool1d if pooling == "avg" else torch.nn.functional.max_pool1d
+    pooled = pool(prefix.unsqueeze(1), 7, stride=1, padding=3).squeeze(1)
+    expected = pooled.view(h_kv, group, n - w).mean(dim=1)
+    got = policy.stage1_scores(inp)[0]
+    torch.testing.assert_close(got[:, :n - w].double(), expected, rtol=1e-5, atol=1e-7)
+    if pooling == "avg":
+        # CAOTE's mass is pooled over the whole axis: it differs exactly on the 3 tokens before the window,
+        # which pick up the window's attention to itself there, and agrees on every earlier token.
+        whole = policy.base.attention_mass(inp)[0] / w
+        torch.testing.assert_close(got[:, :n - w - 3], whole[:, :n - w - 3])
+        assert bool((whole[:, n - w - 3:n - w] > got[:, n - w - 3:n - w]).all())
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -164,7 +164,7 @@ def test_default_config_protects_nothing():
     ({"recent": 1.5}, "recent must be an integer >= 0, got 1.5"),
     ({"sinks": "4"}, "sinks must be an integer >= 0, got '4'"),
     ({"recent": True}, "recent must be an integer >= 0, got True"),
-    ({"window": 4}, "unknown option 'window' for h2o; valid options: budget, policy, recent, schedule, "
+    ({"window": 4}, "unknown option 'window' for h2o; valid options: budget, mode, policy, recent, schedule, "
                     "seed, sinks, slack"),
 ])
 def test_invalid_options(options, message):

@@ -125,7 +125,7 @@ def test_recent_ablation_keeps_anchor_over_all():
     ({"sinks": -1}, "sinks must be an integer >= 0, got -1"),
     ({"recent": 0.1}, "recent must be an integer >= 0, got 0.1"),
     ({"sinks": "0"}, "sinks must be an integer >= 0, got '0'"),
-    ({"anchor": "median"}, "unknown option 'anchor' for keydiff; valid options: budget, policy, recent, "
+    ({"anchor": "median"}, "unknown option 'anchor' for keydiff; valid options: budget, mode, policy, recent, "
                            "schedule, seed, sinks, slack"),
 ])
 def test_invalid_options(options, message):

@@ -170,3 +170,39 @@ def test_budget_must_exceed_protected():
     with pytest.raises(ValueError, match=re.escape(
             "budget 10 must be larger than the 10 tokens snapkv always keeps (sinks 2 + window 8)")):
         EvictionConfig.from_spec("snapkv", 10, window=8, sinks=2)
+
+
+# ---- SnapKV's own ranking, against the reference formula (criticalkv.md §2.5) ---------------------------
+def explicit_ranking(inp, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    """criticalkv.md §2.5 steps 2-5 as a sum over the window rows: [H_kv, n - window] for the prefix of
+    a 1-row batch with slot = position."""
+    h_kv, n = inp.positions.shape[1:]
+    rows = naive_rows_of(inp)
+    prefix = rows[:, :, :n - window].sum(dim=1).unsqueeze(1)  # [H_q, 1, n - window]
+    if pooling == "avg":
+        prefix = torch.nn.functional.avg_pool1d(prefix, kernel, stride=1, padding=kernel // 2)
+    elif pooling == "max":
+        prefix = torch.nn.functional.max_pool1d(prefix, kernel, stride=1, padding=kernel // 2)
+    return prefix.squeeze(1).view(h_kv, -1, n - window).mean(dim=1)
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max", "none"])
+def test_ranking_is_pooled_per_query_head_without_the_window(pooling):
+    inp = make_inputs(h_kv=2, group=3, n=36, d=8, w=6, seed=21)
+    policy = SnapKV(window=6, kernel=5, pooling=pooling)
+    got = policy.ranking_mass(inp)[0]
+    torch.testing.assert_close(got[:, :30].double(), explicit_ranking(inp, 6, 5, pooling), rtol=1e-5, atol=1e-7)
+    scores = policy.scores(inp)[0]
+    assert bool(torch.isinf(scores[:, 30:]).all())
+    torch.testing.assert_close(scores[:, :30], got[:, :30])
+
+
+def test_max_pooling_per_query_head_is_not_pooling_the_group_mean():
+    """The order matters for max pooling (it would not for average pooling): the reference pools each
+    query head, then averages the group."""
+    inp = make_inputs(h_kv=1, group=4, n=40, d=8, w=8, seed=2)
+    policy = SnapKV(window=8, kernel=7, pooling="max")
+    per_head_first = policy.ranking_mass(inp)[0, :, :32]
+    group_first = torch.nn.functional.max_pool1d(explicit_ranking(inp, 8, 1, "none").unsqueeze(1).float(),
+                                                 7, 1, 3).squeeze(1)
+    assert not torch.allclose(per_head_first, group_first)

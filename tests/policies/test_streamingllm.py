@@ -87,7 +87,7 @@ def test_scores_protect_sinks():
     ({"sinks": "4"}, "sinks must be an integer >= 0, got '4'"),
     ({"sinks": 4.0}, "sinks must be an integer >= 0, got 4.0"),
     ({"sinks": None}, "sinks must be an integer >= 0, got None"),
-    ({"recent": 3}, "unknown option 'recent' for streamingllm; valid options: budget, policy, schedule, "
+    ({"recent": 3}, "unknown option 'recent' for streamingllm; valid options: budget, mode, policy, schedule, "
                     "seed, sinks, slack"),
 ])
 def test_invalid_options(options, message):

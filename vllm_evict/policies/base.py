@@ -90,6 +90,7 @@ class EvictionInputs:
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
     budget: Tensor | None = None  # int64 [R]: tokens each row keeps per head this step (None: no eviction)
     budget_max: int = 0  # the largest budget, known on the host so that shapes need no device sync
+    max_seq_len: int = 0  # the largest seq_len, on the host (0: read from ``seq_len``, a device sync)
     ops: ScoreOps = DENSE  # where the heavy score arithmetic runs (the engine's reads its pages)
 
     # Shapes come from ``positions``, which is always a tensor, so asking them loads nothing.
@@ -132,6 +133,11 @@ class EvictionInputs:
 
     def with_state(self, state: dict[str, Tensor]) -> "EvictionInputs":
         return self.evolve(state=state)
+
+    @property
+    def seq_len_bound(self) -> int:
+        """A host int above every logical position in the batch."""
+        return self.max_seq_len or int(self.seq_len.max()) if self.num_rows else 0
 
     def latest_query_positions(self, count: Tensor | int) -> Tensor:
         """The query positions with all but each row's ``count`` most recent queries emptied."""
@@ -218,10 +224,24 @@ class Policy(ABC):
         """Finite, non-negative attention-like mass [R, H_kv, N] (only for ``is_attention_mass`` policies)."""
         raise NotImplementedError(f"{self.name} has no attention-mass score")
 
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        """The attention mass this policy ranks its unprotected tokens by: its ``scores`` before protection,
+        [R, H_kv, N]. CriticalKV's stage 1 reads this; CAOTE reads ``attention_mass``. They differ where
+        the method's own ranking is not the per-KV-head output weight CAOTE needs (SnapKV, TOVA)."""
+        return self.attention_mass(inp)
+
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         """How many softmax rows ``attention_mass`` adds up, per row [R] (each row sums to 1 per query
         head and is averaged over the group): CriticalKV divides by it to get a mean attention."""
         raise NotImplementedError(f"{self.name} has no attention-mass score")
+
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        """The attention mass this policy ranks its unprotected tokens by: its ``scores`` before protection.
+
+        CriticalKV's stage 1 reads this; CAOTE reads ``attention_mass``. They differ where the method's
+        own ranking is not the per-KV-head output weight CAOTE needs (SnapKV, TOVA); default: the same.
+        """
+        return self.attention_mass(inp)
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         """Bool [R, H_kv, N]: tokens that are always kept. Default: none."""

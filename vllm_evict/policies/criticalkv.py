@@ -15,16 +15,17 @@ tokens included, on the highest attention ``s1``; stage 2 fills the remaining ``
 slots with the highest ``(s1 + epsilon) * nu`` among the rest. The result is protected ∪ S1 ∪ S2, exactly
 b per head.
 
-``s1`` is the base's ``attention_mass`` expressed as a mean over query rows (the paper averages its
-window rows so that ``epsilon`` stays small next to it, spec §8.8): it is divided by the base's
-``mass_rows(inp)``. A per-head constant does not change stage 1, only how much ``epsilon`` weighs in
-stage 2.
+``s1`` is the base's ``ranking_mass`` (the mass the base itself ranks by, before protection) expressed
+as a mean over query rows (the paper averages its window rows so that ``epsilon`` stays small next to
+it, spec §8.8): it is divided by the base's ``mass_rows(inp)``. A per-head constant does not change
+stage 1, only how much ``epsilon`` weighs in stage 2. Over SnapKV this is the pooled mass of the tokens
+before the window, the window's own columns dropped before pooling (spec §2.5 step 3, as the reference
+implementation); CAOTE over SnapKV instead pools the whole axis (``attention_mass``, caote.md §3.1). Over
+TOVA it is TOVA's own ranking: by default the mean over all query heads of the layer.
 
 The paper's SnapKV uses max pooling with kernel 7 (spec §4); our SnapKV defaults to average pooling, so
 to reproduce the paper pass ``pooling="max"`` (it goes to the base): ``criticalkv+snapkv`` with
-``pooling="max"``. Unlike the paper's code, the window tokens' own columns take part in SnapKV's pooled
-mass (``attention_mass`` is pooled over the whole axis), which only smooths a little mass onto the
-three tokens just before the window; the window itself is always kept.
+``pooling="max"``. NVIDIA kvpress's ``CriticalKVPress(SnapKVPress(...))`` pools by average.
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ class CriticalKV(MetaPolicy):
         return nu.float()
 
     def stage1_scores(self, inp: EvictionInputs) -> Tensor:
-        """Base attention mass as a mean over its query rows, fp32 [R, H_kv, N]."""
+        """The base's ranking mass as a mean over its query rows, fp32 [R, H_kv, N]."""
         rows = self.base.mass_rows(inp).clamp_min(1).view(-1, 1, 1).float()
-        return self.base.attention_mass(inp).float() / rows
+        return self.base.ranking_mass(inp).float() / rows
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         """Budget-free ranking: the stage-2 score ``(s1 + epsilon) * nu`` with protected tokens at +inf.

@@ -3,6 +3,10 @@ the token axis; the window's own tokens are always kept.
 
 Defaults follow the CAOTE/KeyDiff harness (spec caote.md §3.1, keydiff.md §8): window 32 queries,
 average pooling with kernel 7, the 32 most recent tokens protected, GQA group mean.
+
+Two masses, for two readers: ``ranking_mass`` is SnapKV's own ranking (window columns dropped, each query
+head pooled, then the group mean; CriticalKV's stage 1 reads it too), ``attention_mass`` is the finite
+mass over every candidate, window included, that CAOTE normalises into output weights.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ class SnapKV(Policy):
         return inp.ops.window_mass(inp) / inp.group_size
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
-        """Pooled over the whole token axis, window tokens included, so the mass is finite everywhere:
-        CAOTE needs that for its normalisation (caote.md §3.1)."""
+        """The window's mass pooled over the whole token axis, window tokens included: finite for every
+        candidate, as CAOTE's output weights need (caote.md §3.1)."""
         return self._pool(self.window_mass(inp), inp).masked_fill(~inp.valid, 0.0)
 
     def group_masses(self, inp: EvictionInputs) -> Tensor:
@@ -61,9 +65,17 @@ class SnapKV(Policy):
         valid = inp.valid
         return dense.recent_mask(inp.positions, valid, self.window) | dense.sink_mask(inp.positions, valid, self.sinks)
 
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        """SnapKV's own statistic (criticalkv.md §2.5 steps 3-5, as the reference implementations): per
+        query head, the window's column sums with the window's own columns dropped (zeroing them before
+        zero-padded pooling is the same thing), pooled, then the GQA group mean: [R, H_kv, N]. So the
+        tokens just before the window get no share of the window's attention to itself. Pooling each
+        query head before the mean matters for max pooling only."""
+        window = dense.recent_mask(inp.positions, inp.valid, self.window).unsqueeze(2)  # [R, H, 1, N]
+        per_head = inp.ops.window_mass(inp, per_query_head=True).masked_fill(window, 0.0)
+        return self._pool(per_head, inp).mean(dim=2).masked_fill(~inp.valid, 0.0)
+
     def scores(self, inp: EvictionInputs) -> Tensor:
-        """As the original SnapKV: only the tokens before the window are scored and pooled (zeroing
-        the window before zero-padded pooling is the same thing), the window is kept outright."""
-        window = dense.recent_mask(inp.positions, inp.valid, self.window)
-        pooled = self._pool(self.window_mass(inp).masked_fill(window, 0.0), inp)
-        return dense.protect(pooled, self.protected_mask(inp))
+        """As the original SnapKV: only the tokens before the window are scored and pooled, the window is
+        kept outright."""
+        return dense.protect(self.ranking_mass(inp), self.protected_mask(inp))

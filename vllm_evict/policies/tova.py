@@ -1,8 +1,16 @@
 """TOVA, Token Omission Via Attention (Oren et al., 2024): keep the tokens the newest query attends to.
 
 The score is the attention row of the last query (the last token of a prefill block, or the token
-being decoded), averaged over the G query heads of each KV head's group as the CAOTE/KeyDiff harness
-does (caote.md §3.1, §8). The original paper averages over all heads of a layer instead.
+being decoded). Option ``heads`` says over which query heads it is averaged:
+
+- ``"layer"`` (default): over all H_q query heads of the layer, as the TOVA paper and NVIDIA kvpress do,
+  so every KV head of a layer keeps the same tokens;
+- ``"group"``: over the G query heads of each KV head's GQA group (the CAOTE/KeyDiff harness reading,
+  caote.md §3.1), so each KV head chooses on its own.
+
+``attention_mass`` stays the group mean in both modes: it is the per-KV-head output weight that CAOTE
+normalises (caote.md §3.1, §3.7); ``ranking_mass`` is what TOVA itself (and CriticalKV's stage 1)
+ranks by.
 """
 
 from __future__ import annotations
@@ -12,18 +20,41 @@ from torch import Tensor
 
 from vllm_evict import dense
 from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
+from vllm_evict.policies.options import check_choice
+
+HEADS = ("layer", "group")
+
+
+def layer_mean(per_query_head: Tensor, positions: Tensor, valid: Tensor, bound: int) -> Tensor:
+    """Mean over all query heads of the layer, per logical position: [R, H_kv, G, N] -> [R, H_kv, N].
+
+    Each candidate gets the mean, over the H_q query heads, of the attention its logical position
+    receives; a query head whose KV head no longer holds that position contributes 0 (as attention to an
+    evicted token). Matching by position, not by slot, keeps this right whatever the slot order.
+    ``bound``: a host int above every position (a padding slot counts at position ``bound``)."""
+    rows, heads, group, n = per_query_head.shape
+    per_kv_head = per_query_head.sum(dim=2).masked_fill(~valid, 0.0)  # [R, H, N]
+    index = positions.long().clamp(0, bound - 1).masked_fill(~valid, bound).view(rows, -1)
+    totals = torch.zeros(rows, bound + 1, dtype=per_kv_head.dtype, device=per_kv_head.device)
+    totals.scatter_add_(1, index, per_kv_head.view(rows, -1))
+    return (totals.gather(1, index).view(rows, heads, n) / (heads * group)).masked_fill(~valid, 0.0)
 
 
 class TOVA(SinksAndRecent):
     name = "tova"
-    summary = "attention of the newest query (GQA group mean); evicts what it ignores"
+    summary = "attention of the newest query (mean over the layer's query heads); evicts what it ignores"
     paper = "Oren et al., Transformers are Multi-State RNNs (TOVA, 2024)"
     one_shot = False
     is_attention_mass = True
+    defaults = {**SinksAndRecent.defaults, "heads": "layer"}
 
     @property
     def query_window(self) -> int:
         return 1
+
+    def check_options(self) -> None:
+        super().check_options()
+        check_choice("heads", self.heads, HEADS)
 
     def group_masses(self, inp: EvictionInputs) -> Tensor:
         """A^(g)_{last, j} for every query head g of each group: [R, H_kv, G, N] (CAOTE's per-head mode)."""
@@ -34,8 +65,13 @@ class TOVA(SinksAndRecent):
         """h_j = (1/G) sum_g A^(g)_{last, j}: one softmax row per query head, so it sums to 1 per KV head."""
         return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(1)) / inp.group_size
 
+    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
+        if self.heads == "group":
+            return self.attention_mass(inp)
+        return layer_mean(self.group_masses(inp), inp.positions, inp.valid, inp.seq_len_bound)
+
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         return torch.ones(inp.num_rows, dtype=torch.int64, device=inp.device)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
-        return dense.protect(self.attention_mass(inp), self.protected_mask(inp))
+        return dense.protect(self.ranking_mass(inp), self.protected_mask(inp))
