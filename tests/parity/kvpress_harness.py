@@ -90,6 +90,21 @@ def _attention_modules(model: Any) -> list[Any]:
     return [layer.self_attn for layer in model.model.layers]
 
 
+def _prefill(model: Any, prompt_ids: Sequence[int]) -> None:
+    """One plain transformers forward of the whole prompt into a DynamicCache (eager attention, fp32):
+    what kvpress's presses are written for. The cache's keys are the same post-RoPE keys our runner caches."""
+    from transformers import DynamicCache
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([list(prompt_ids)]), past_key_values=DynamicCache(config=model.config),
+                  use_cache=True, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def run_presses(model: Any, prompt_ids: Sequence[int], budget: int,
                 presses: Mapping[str, Callable[[], ScorerPress]]) -> dict[str, PressRun]:
     """name -> what the press built by ``presses[name]()`` keeps at ``budget`` on this prompt (one forward)."""
@@ -114,7 +129,7 @@ def run_presses(model: Any, prompt_ids: Sequence[int], budget: int,
 
     hooks = [m.register_forward_hook(after_attention, with_kwargs=True) for m in _attention_modules(model)]
     try:
-        run_reference(model, prompt_ids, None, max_new_tokens=1, chunk_size=n)
+        _prefill(model, prompt_ids)
     finally:
         for hook in hooks:
             hook.remove()
@@ -146,7 +161,7 @@ def kept_through_press_hooks(model: Any, prompt_ids: Sequence[int], budget: int,
     try:
         with press(model):
             hooks += [m.register_forward_hook(observer(pruned), with_kwargs=True) for m in modules]
-            run_reference(model, prompt_ids, None, max_new_tokens=1, chunk_size=n)
+            _prefill(model, prompt_ids)
     finally:
         for hook in hooks:
             hook.remove()
