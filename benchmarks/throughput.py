@@ -3,6 +3,7 @@
     python benchmarks/throughput.py spare     # 32 x (512 + 128), a KV pool for all of them
     python benchmarks/throughput.py tight     # 8 x (3000 + 64) through a 4,096-token pool
     python benchmarks/throughput.py decode    # 16 x (256 + 512), eviction after every page of growth
+    python benchmarks/throughput.py mixed     # passkey prompts and short chats, a pool at half the demand
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
     python benchmarks/throughput.py all --json results.json
 
@@ -57,6 +58,7 @@ class Scenario:
     chunk: int  # max_num_batched_tokens
     variants: list[Variant] = field(default_factory=list)
     targets: dict[str, float] = field(default_factory=dict)  # variant -> minimum ratio to vanilla
+    passkeys: int = 0  # the first ``passkeys`` requests are passkey prompts (mixed workload), the rest random
 
 
 PAGE = 32
@@ -70,19 +72,28 @@ def scenarios() -> dict[str, Scenario]:
             variants=[Variant("vanilla", None),
                       Variant("never evicts", {"policy": "snapkv", "budget": 4096}),
                       Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
-                      Variant("keydiff 256", {"policy": "keydiff", "budget": 256})],
-            targets={"never evicts": 0.97, "snapkv 256": 0.95, "keydiff 256": 0.95}),
+                      Variant("keydiff 256", {"policy": "keydiff", "budget": 256}),
+                      Variant("elastic snapkv 256", {"policy": "snapkv", "budget": 256, "mode": "elastic"})],
+            targets={"never evicts": 0.97, "snapkv 256": 0.95, "keydiff 256": 0.95, "elastic snapkv 256": 0.99}),
         "tight": Scenario(
             "tight", requests=8, prompt=3000, generate=64, pool_tokens=4096, chunk=512,
             variants=[Variant("vanilla", None),
                       Variant("vanilla, 8x pool", None, pool_tokens=8 * 4096),
-                      Variant("keydiff 448", {"policy": "keydiff", "budget": 448})],
-            targets={"keydiff 448": 2.0}),
+                      Variant("keydiff 448", {"policy": "keydiff", "budget": 448}),
+                      Variant("elastic keydiff 448", {"policy": "keydiff", "budget": 448, "mode": "elastic"})],
+            targets={"keydiff 448": 2.0, "elastic keydiff 448": 2.0}),
         "decode": Scenario(
             "decode", requests=16, prompt=256, generate=512, pool_tokens=16 * (256 + 512) + 8 * PAGE, chunk=2048,
             variants=[Variant("vanilla", None),
                       Variant("snapkv 256, slack 1 page", {"policy": "snapkv", "budget": 256, "slack": PAGE})],
             targets={"snapkv 256, slack 1 page": 0.95}),
+        # 16 passkey prompts (~540 tokens, the quality smoke prompts) and 16 short ones generating 128
+        # tokens: a demand of about 12k tokens through a pool of half that.
+        "mixed": Scenario(
+            "mixed", requests=32, prompt=64, generate=128, pool_tokens=6144, chunk=2048, passkeys=16,
+            variants=[Variant("vanilla", None),
+                      Variant("keydiff 256", {"policy": "keydiff", "budget": 256}),
+                      Variant("elastic keydiff 256", {"policy": "keydiff", "budget": 256, "mode": "elastic"})]),
     }
 
 
@@ -110,7 +121,8 @@ def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_s
     pool = variant.pool_tokens or scenario.pool_tokens
     kwargs: dict[str, Any] = dict(
         model=model, dtype=dtype, enforce_eager=True, block_size=PAGE, seed=0, enable_prefix_caching=False,
-        max_model_len=scenario.prompt + scenario.generate + PAGE, max_num_seqs=max_seqs or scenario.requests,
+        max_model_len=max(scenario.prompt, 1024 if scenario.passkeys else 0) + scenario.generate + PAGE,
+        max_num_seqs=max_seqs or scenario.requests,
         max_num_batched_tokens=scenario.chunk, kv_cache_memory_bytes=pool * token_bytes(model, dtype),
         disable_log_stats=True)
     if variant.eviction is not None:
@@ -118,10 +130,23 @@ def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_s
     return LLM(**kwargs)
 
 
-def prompts_for(scenario: Scenario, vocab: int, seed: int = 0) -> list[dict[str, list[int]]]:
+def passkey_prompts(count: int) -> list[tuple[str, str]]:
+    """(prompt, key): the project's quality smoke prompts (tests/engine/test_quality_passkey.py)."""
+    from tests.engine.test_quality_passkey import DEPTHS, passkey_prompts as build
+
+    out: list[tuple[str, str]] = []
+    seed = 0
+    while len(out) < count:
+        out += build(seed=seed, depths=DEPTHS)
+        seed += 1
+    return out[:count]
+
+
+def prompts_for(scenario: Scenario, vocab: int, seed: int = 0) -> list[Any]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(scenario.prompt)]}
-            for _ in range(scenario.requests)]
+    passkeys = [prompt for prompt, _ in passkey_prompts(scenario.passkeys)] if scenario.passkeys else []
+    return passkeys + [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(scenario.prompt)]}
+                       for _ in range(scenario.requests - len(passkeys))]
 
 
 def close(llm: Any) -> None:
@@ -141,14 +166,18 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)  # warm-up
         preempted = _count_preemptions(core.scheduler)
+        compressed = _count_compressions(core.scheduler)
         start = time.perf_counter()
         outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         assert generated == scenario.requests * scenario.generate, "the engine stopped early"
-        tokens = scenario.requests * scenario.prompt + generated
+        tokens = sum(len(o.prompt_token_ids) for o in outputs) + generated
+        keys = [key for _, key in passkey_prompts(scenario.passkeys)] if scenario.passkeys else []
+        hits = sum(key in o.outputs[0].text for key, o in zip(keys, outputs))
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+                    compressions=compressed(), passkey_hits=hits,
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
         close(llm)
@@ -166,6 +195,21 @@ def _count_preemptions(scheduler: Any):
     return lambda: count[0]
 
 
+def _count_compressions(scheduler: Any):
+    """Elastic compressions (request, step) the scheduler planned."""
+    count = [0]
+    original = scheduler.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        output = original(*args, **kwargs)
+        plan = getattr(output, "kv_eviction_plan", None)
+        count[0] += len(plan.compress) if plan is not None else 0
+        return output
+
+    scheduler.schedule = schedule
+    return lambda: count[0]
+
+
 def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {v.name: [] for v in scenario.variants}
     for _ in range(rounds):
@@ -180,21 +224,28 @@ def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dic
         summary[variant.name] = dict(
             tokens_per_s=tps, ratio=tps / base, runs=[round(r["tokens_per_s"], 1) for r in runs],
             preemptions=runs[0]["preemptions"], pool_pages=runs[0]["pool_pages"], same_tokens_as_vanilla=same,
+            compressions=runs[0]["compressions"], passkey_hits=runs[0]["passkey_hits"],
             target=scenario.targets.get(variant.name))
     return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary)
 
 
 def format_scenario(out: dict[str, Any]) -> str:
     s = out["scenario"]
-    lines = [f"## {s['name']}: {s['requests']} x ({s['prompt']} + {s['generate']}), pool {s['pool_tokens']} tokens, "
-             f"chunk {s['chunk']}",
+    shape = f"{s['requests']} x ({s['prompt']} + {s['generate']})"
+    if s["passkeys"]:
+        shape = (f"{s['passkeys']} passkey prompts (~540 tokens) + {s['requests'] - s['passkeys']} x "
+                 f"({s['prompt']} + {s['generate']}), all generating {s['generate']}")
+    lines = [f"## {s['name']}: {shape}, pool {s['pool_tokens']} tokens, chunk {s['chunk']}",
              "",
-             "| variant | total tokens/s (median) | x vanilla | target | runs | preemptions | pool pages | same tokens as vanilla |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | total tokens/s (median) | x vanilla | target | runs | preemptions | elastic compressions "
+             "| pool pages | same tokens as vanilla |" + (" passkey hits |" if s["passkeys"] else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")]
     for name, r in out["results"].items():
         target = f">= {r['target']}" if r["target"] else ""
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | "
-                     f"{r['preemptions']} | {r['pool_pages']} | {'yes' if r['same_tokens_as_vanilla'] else 'no'} |")
+                     f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
+                     f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
+                     + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
     return "\n".join(lines)
 
 
@@ -250,7 +301,7 @@ def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["spare", "tight", "decode", "host", "all"])
+    parser.add_argument("what", choices=["spare", "tight", "decode", "mixed", "host", "all"])
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")
@@ -265,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, model {Path(model).name}, "
           f"{args.dtype}, page {PAGE} tokens")
     results: dict[str, Any] = {}
-    names = ["spare", "tight", "decode", "host"] if args.what == "all" else [args.what]
+    names = ["spare", "tight", "decode", "mixed", "host"] if args.what == "all" else [args.what]
     for name in names:
         if name == "host":
             batches = [int(b) for b in args.host_batches.split(",")]
