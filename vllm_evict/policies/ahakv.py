@@ -60,7 +60,9 @@ class AhaKV(Policy):
     state_names = ("vnorm", "score")
     computed_state = ("vnorm",)
     needs_every_step = True  # decode accumulates every step's SG-softmax row
-    defaults = {"recent": 32, "value_kernel": 5, "sinks": 0}
+    recent: int = 32  # the observation window r = B_r, whose tokens are also kept
+    value_kernel: int = 5  # odd average-pooling kernel of the value prior
+    sinks: int = 0
 
     @property
     def query_window(self) -> int:

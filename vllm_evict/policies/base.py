@@ -176,8 +176,19 @@ class Policy(ABC):
     # True when ``update_state`` must run on every step, not only when evicting.
     needs_every_step: ClassVar[bool] = False
     needs_o_proj: ClassVar[bool] = False
-    # Option name -> default. ``from_spec`` validates user options against these.
+    # Options are typed class attributes with their defaults (``window: int = 32``); ``defaults``, the
+    # option name -> default, is collected from them (base classes first) and is what ``from_spec``
+    # validates user options against. An instance holds its values as attributes of the same names.
     defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        options: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            for name, hint in vars(klass).get("__annotations__", {}).items():
+                if "ClassVar" not in str(hint) and name in vars(klass):
+                    options[name] = vars(klass)[name]
+        cls.defaults = options
 
     def __init__(self, **options: Any) -> None:
         self.options = {**self.defaults, **options}
@@ -267,7 +278,8 @@ class SinksAndRecent(Policy):
     """A policy whose only protected tokens are the optional first ``sinks`` and last ``recent``
     logical positions (both off by default, as in the papers' harness)."""
 
-    defaults: ClassVar[dict[str, Any]] = {"recent": 0, "sinks": 0}
+    recent: int = 0  # the newest logical positions always kept
+    sinks: int = 0  # the first logical positions always kept
 
     def check_options(self) -> None:
         from vllm_evict.policies.options import check_int

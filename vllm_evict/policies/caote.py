@@ -61,7 +61,8 @@ class CAOTE(MetaPolicy):
     summary = ("attention-output change if a token were dropped: alpha/(1-alpha)*||X - v||, alpha = the "
                "base's mass normalised to sum 1, X = sum alpha*v")
     paper = "Goel et al., CAOTE: KV Cache Eviction for LLMs via Attention Output Error-Based Token Selection (2025)"
-    defaults = {"caote_mode": "group", "eps": 1e-6}
+    caote_mode: str = "group"  # "group" or "head" (see the module docstring)
+    eps: float = 1e-6  # floor on 1 - alpha
     fast = False  # FastCAOTE: X is the unweighted mean of the values
 
     def check_options(self) -> None:

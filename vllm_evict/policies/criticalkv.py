@@ -73,7 +73,8 @@ class CriticalKV(MetaPolicy):
     needs_o_proj = True
     state_names = ("nu",)
     computed_state = ("nu",)
-    defaults = {"alpha": 0.5, "epsilon": 1e-4}
+    alpha: float = 0.5  # the share of the budget stage 1 fills by attention
+    epsilon: float = 1e-4  # added to the stage-1 mean before it multiplies nu
 
     def check_options(self) -> None:
         check_float("alpha", self.alpha, low=0.0, high=1.0, low_open=True)

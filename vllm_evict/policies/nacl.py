@@ -67,7 +67,10 @@ class NaCl(Policy):
     paper = "Chen et al., NaCl: A General and Effective KV Cache Eviction Framework for LLMs at Inference Time (ACL 2024)"
     one_shot = True
     is_attention_mass = True
-    defaults = {"proxy": None, "sinks": 4, "random_ratio": 7 / 19, "temperature": 1.0}
+    proxy: int | None = None  # n_p proxy queries; None: the spec's rule
+    sinks: int = 4
+    random_ratio: float = 7 / 19  # the share of the free budget drawn at random
+    temperature: float = 1.0  # of the softmax the random part samples from
 
     # Queries the engine buffers when ``proxy`` is None (the rule's n_p is sliced from them).
     MAX_PROXY = 1024

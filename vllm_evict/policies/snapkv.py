@@ -24,7 +24,10 @@ class SnapKV(Policy):
     paper = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation (2024)"
     one_shot = True
     is_attention_mass = True
-    defaults = {"window": 32, "kernel": 7, "pooling": "avg", "sinks": 0}
+    window: int = 32  # observation-window queries; their tokens are always kept
+    kernel: int = 7  # odd pooling kernel
+    pooling: str = "avg"  # "avg", "max" or "none"
+    sinks: int = 0
 
     @property
     def query_window(self) -> int:

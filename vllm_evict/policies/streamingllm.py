@@ -21,7 +21,7 @@ class StreamingLLM(Policy):
     paper = "Xiao et al., Efficient Streaming Language Models with Attention Sinks (2024)"
     one_shot = False
     is_attention_mass = False
-    defaults = {"sinks": 4}
+    sinks: int = 4  # attention-sink tokens kept at the start
 
     @property
     def query_window(self) -> int:

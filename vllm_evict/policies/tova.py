@@ -46,7 +46,7 @@ class TOVA(SinksAndRecent):
     paper = "Oren et al., Transformers are Multi-State RNNs (TOVA, 2024)"
     one_shot = False
     is_attention_mass = True
-    defaults = {**SinksAndRecent.defaults, "heads": "layer"}
+    heads: str = "layer"  # "layer" or "group": which query heads the newest row is averaged over
 
     @property
     def query_window(self) -> int:
