@@ -54,12 +54,12 @@ def _json_type(value: Any) -> str | None:
 
 def config_properties() -> dict[str, dict[str, Any]]:
     """Property schema of every option name a policy or the engine knows."""
-    from vllm_evict.config import ENGINE_OPTIONS
+    from vllm_evict.config import ENGINE_OPTIONS, MODES
     from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
     from vllm_evict.schedule import SCHEDULES
 
     engine = {"schedule": {"enum": list(SCHEDULES)}, "slack": {"type": "integer", "minimum": 1},
-              "seed": {"type": "integer", "minimum": 0}}
+              "seed": {"type": "integer", "minimum": 0}, "mode": {"enum": list(MODES)}}
     missing = set(ENGINE_OPTIONS) - set(engine)
     if missing:
         raise RuntimeError(f"engine options {sorted(missing)} have no schema here: add them to config_properties()")
