@@ -124,11 +124,11 @@ class EvictRunnerMixin:
         if self.evict_server is not None:
             self._on_new_policy(self.evict_policies.policies[self.evict_policies.index_of(
                 _server_config(self.evict_server))])
-        if geometry.device.type == "cuda":
-            from vllm_evict import csrc
+        from vllm_evict import csrc
 
-            if csrc.load_extension() is None:  # built now, not inside the first eviction's forward
-                logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
+        # Built (or found missing) now, not inside the first eviction's forward on every rank at once.
+        if csrc.load_extension() is None and geometry.device.type == "cuda":
+            logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
 
     def _on_new_policy(self, policy: Policy) -> None:
         """A policy not seen before: allocate its state buffers and ring width, and its weights."""
