@@ -119,7 +119,7 @@ class EvictRunnerMixin:
             k, v = views(module.kv_cache)
             self.evict_layers.append(LayerCache(index=index, k=k, v=v, positions=buffers.positions[index], state={},
                                                 ring=None, scale=float(module.impl.scale),
-                                                head_offset=shard.head_offset if shard else 0, shard=shard))
+                                                head_offset=shard.head_offset if shard is not None else 0, shard=shard))
             self.evict_layer_names.append(name)
             impl = module.impl
             original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
