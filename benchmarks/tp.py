@@ -1,6 +1,7 @@
 """TP=1 vs TP=2 with KV eviction, in the real vLLM engine on CPU, in one run.
 
     python benchmarks/tp.py                          # tiny random Llama (8 query heads, 4 KV heads)
+    python benchmarks/tp.py --kv-heads 1 --policy h2o   # 1 KV head: copied on both ranks, group sums all-reduced
     python benchmarks/tp.py --model PATH --policy caote+snapkv --budget 128 --prompt-len 1024
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0). Three engines serve the same
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model folder whose query and KV heads split over 2 "
                                                       "ranks (default: a tiny random Llama, 8/4 heads)")
+    parser.add_argument("--kv-heads", type=int, default=4, choices=(1, 2, 4, 8),
+                        help="KV heads of the tiny model (8 query heads); 1: each rank holds a copy of the KV head "
+                             "and half its query heads, so every group sum is all-reduced (default: 4)")
     parser.add_argument("--policy", default="snapkv", help="eviction policy [META+]BASE (default: snapkv)")
     parser.add_argument("--budget", type=int, default=64, help="tokens kept per sequence, layer and KV head (64)")
     parser.add_argument("--eviction-config", type=json.loads, default=None, metavar="JSON",
@@ -134,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     if model is None:
         from vllm_evict.testing import build_tiny_llama
 
-        model = str(build_tiny_llama(Path(tempfile.gettempdir()) / "vllm-evict-bench-tp-llama", heads=8, kv_heads=4,
-                                     init_std=0.2))
+        folder = Path(tempfile.gettempdir()) / f"vllm-evict-bench-tp-llama-kv{args.kv_heads}"
+        model = str(build_tiny_llama(folder, heads=8, kv_heads=args.kv_heads, init_std=0.2))
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(args.prompt_len)] for _ in range(args.repeats + 1)]
     results = {name: measure(args, model, tp, threads, prompts) for name, tp, threads in CONFIGS}

@@ -1002,6 +1002,19 @@ def _cases() -> list[Any]:
         f"{linear}.QKVParallelLinear", r"self\.tp_rank // self\.num_kv_head_replicas",
         "KV heads are no longer sharded as shard_rank = tp_rank // num_kv_head_replicas, the global-head map "
         "of vllm_evict.engine.debug.global_kv_heads"))
+    # -- kv_shard.py / engine/runner.py: replicated KV heads complete their group sums with the TP
+    #    group's all-reduce; CriticalKV's o_proj slice on rank r holds rank r's query heads
+    add("parallel_state.get_tp_group", expect_attr("vllm.distributed.parallel_state.get_tp_group"))
+    add("GroupCoordinator.all_reduce", expect_params("vllm.distributed.parallel_state.GroupCoordinator.all_reduce",
+                                                     "self", "input_"))
+    add("QKVParallelLinear:kv_head_replicas", expect_source(
+        f"{linear}.QKVParallelLinear", r"self\.num_kv_head_replicas = divide\(tp_size, self\.total_num_kv_heads\)",
+        "KV heads are no longer copied to tp_size // total_num_kv_heads ranks, the sharding of "
+        "vllm_evict.kv_shard.KVShard.of_rank"))
+    add("RowParallelLinear:input_shard_of_rank", expect_source(
+        f"{linear}.RowParallelLinear.weight_loader", r"start_idx = self\.tp_rank \* shard_size",
+        "o_proj's input (query-head) columns are no longer split as rank r's contiguous block, which "
+        "CriticalKV's value norms under tensor parallelism assume"))
     add("ModelConfig.is_moe", expect_attr("vllm.config.model.ModelConfig.is_moe"))
     add("ParallelConfig.data_parallel_size", expect_field("vllm.config.parallel.ParallelConfig", "data_parallel_size"))
     add("EngineCoreProc:independent_dense_dp_ranks", expect_source(

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense, ops
+from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_slots, slot_addresses
-from vllm_evict.paged_ops import DISPATCHED, PagedScoreOps
+from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
 from vllm_evict.policies.base import Deferred, EvictionInputs, Phase, Policy
 
 POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
@@ -47,6 +48,23 @@ class LayerCache:
     scale: float  # the attention's softmax scale
     o_proj: Tensor | None = None  # [hidden, H_q * d] this rank's output projection, when a policy needs it
     head_offset: int = 0  # global index of this rank's first KV head
+    # Tensor parallel (scale-out): this rank's KV heads; with replicated KV heads the group sums are
+    # completed across the copies (vllm_evict/kv_shard.py). None: this rank holds whole groups.
+    shard: KVShard | None = None
+
+    @property
+    def kv_heads_total(self) -> int:
+        """KV heads of the whole layer over every tensor-parallel rank (0: this rank holds them all)."""
+        return self.shard.total_kv_heads if self.shard is not None else 0
+
+    @property
+    def kv_replicas(self) -> int:
+        return self.shard.kv_replicas if self.shard is not None else 1
+
+    @property
+    def record_ops(self) -> DispatchedScoreOps:
+        """The ops ``init_state`` computes with (CriticalKV's nu is a sum over the group)."""
+        return DispatchedScoreOps(self.shard) if self.shard is not None else DISPATCHED
 
     @property
     def ring_entries(self) -> Tensor | None:
@@ -194,7 +212,7 @@ def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], 
     k = tokens_view(key, num_tokens, heads, head_size).transpose(0, 1)
     v = tokens_view(value, num_tokens, heads, head_size).transpose(0, 1)
     for policy in initializers:
-        for name, values in policy.init_state(k, v, cache.o_proj, DISPATCHED).items():
+        for name, values in policy.init_state(k, v, cache.o_proj, cache.record_ops).items():
             cache.state[name][rec.pages, :, rec.offsets] = values.transpose(0, 1).float()
 
 
@@ -223,8 +241,10 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         scale=cache.scale, seq_len=group.seq_len, num_new=group.num_new, phase=group.phase, state=state,
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
         budget=group.budget, budget_max=group.budget_max, max_seq_len=group.max_seq_len,
+        kv_replicas=cache.kv_replicas, kv_heads_total=cache.kv_heads_total,
         ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
-                          block_table=group.block_table, lengths=group.lengths, width=group.width))
+                          block_table=group.block_table, lengths=group.lengths, width=group.width,
+                          shard=cache.shard))
 
 
 def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[Tensor | None]:

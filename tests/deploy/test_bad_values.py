@@ -59,6 +59,10 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
      "at '/vllmConfig/extraArgs': got string, want array"),
     ("unknown top-level key", {"evictoin": {"policy": "snapkv"}}, "at '': additional properties 'evictoin' not allowed"),
     ("ray workers 0", {"ray": {"enabled": True, "workers": 0}}, "at '/ray/workers': minimum: got 0, want 1"),
+    ("unknown Ray auth mode", {"ray": {"auth": {"mode": "none"}}},
+     "at '/ray/auth/mode': value must be one of 'token', 'disabled'"),
+    ("Ray token under an empty key", {"ray": {"auth": {"secretKey": ""}}},
+     "at '/ray/auth/secretKey': minLength: got 0, want 1"),
 ]
 
 # values -> the message of the template's `fail`.

@@ -6,6 +6,7 @@ No cluster and no helm binary. About 2 s for the module.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -40,9 +41,13 @@ CASES: dict[str, tuple[list[Any], list[str]]] = {
     "gpu-extra-args": ([profile("gpu"), values_file("extra-args")], ["Deployment", "PersistentVolumeClaim", "Service"]),
     "cpu-no-eviction": ([profile("cpu"), values_file("no-eviction")], ["Deployment", "PersistentVolumeClaim", "Service"]),
     "gpu-ray": ([profile("gpu"), profile("ray-gpu")],
-                ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "Service", "Service", "StatefulSet"]),
+                ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Secret", "Service", "Service", "Service",
+                 "StatefulSet"]),
     "cpu-ray-init-container": ([profile("cpu"), values_file("init-container"), RAY_CPU],
-                               ["ConfigMap", "Deployment", "Service", "Service", "Service", "StatefulSet"]),
+                               ["ConfigMap", "Deployment", "Secret", "Service", "Service", "Service", "StatefulSet"]),
+    "gpu-ray-existing-token": ([profile("gpu"), profile("ray-gpu"), {"ray": {"auth": {"existingSecret": "ray-token"}}}],
+                               ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "Service", "Service",
+                                "StatefulSet"]),
 }
 
 
@@ -255,9 +260,51 @@ def test_ray_head_and_workers() -> None:
     assert find(objects, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
+def ray_auth(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict], dict[str, Any] | None]]:
+    """(env, mounts of the token volume, the token volume) of the head's server and of the workers."""
+    out = []
+    for kind, name in (("Deployment", "server"), ("StatefulSet", "ray-worker")):
+        pod = find(objects, kind)["spec"]["template"]["spec"]
+        box = container(find(objects, kind), name)
+        mounts = [m for m in box["volumeMounts"] if m["name"] == "ray-auth"]
+        volume = next((v for v in pod["volumes"] if v["name"] == "ray-auth"), None)
+        out.append((env_of(box), mounts, volume))
+    return out
+
+
+def test_ray_pods_share_one_token() -> None:
+    """Ray 2.60 refuses a node or client without the cluster's token once RAY_AUTH_MODE=token: the head's
+    `ray start --head`, its server (a Ray driver) and every worker read the same Secret."""
+    objects = render(profile("gpu"), profile("ray-gpu"))
+    secret = find(objects, "Secret", f"{FULLNAME}-ray-auth")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", token), "a 64-character random token"
+    for env, mounts, volume in ray_auth(objects):
+        assert env["RAY_AUTH_MODE"] == "token"
+        assert env["RAY_AUTH_TOKEN_PATH"] == "/etc/vllm-evict/ray-auth/token"
+        assert mounts == [{"name": "ray-auth", "mountPath": "/etc/vllm-evict/ray-auth", "readOnly": True}]
+        assert volume == {"name": "ray-auth", "secret": {"secretName": f"{FULLNAME}-ray-auth",
+                                                         "items": [{"key": "token", "path": "token"}]}}
+    # A Secret of the user's: no chart-made one, both pods mount it under its key.
+    objects = render(profile("gpu"), profile("ray-gpu"),
+                     {"ray": {"auth": {"existingSecret": "ray-token", "secretKey": "auth-token"}}})
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    for env, _, volume in ray_auth(objects):
+        assert env["RAY_AUTH_TOKEN_PATH"] == "/etc/vllm-evict/ray-auth/token"
+        assert volume["secret"] == {"secretName": "ray-token", "items": [{"key": "auth-token", "path": "token"}]}
+
+
+def test_ray_auth_disabled() -> None:
+    objects = render(profile("gpu"), profile("ray-gpu"), {"ray": {"auth": {"mode": "disabled"}}})
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    for env, mounts, volume in ray_auth(objects):
+        assert env["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN_PATH" not in env
+        assert mounts == [] and volume is None
+
+
 def test_ray_off_renders_no_ray_objects() -> None:
     objects = render(profile("gpu"))
-    assert not [o for o in objects if o["kind"] in ("StatefulSet", "ConfigMap")]
+    assert not [o for o in objects if o["kind"] in ("StatefulSet", "ConfigMap", "Secret")]
     server = container(find(objects, "Deployment"), "server")
     assert "--distributed-executor-backend" not in server["args"] and "env" not in server
 

@@ -12,7 +12,6 @@ from tests.scaleout.helpers import (KV_HEADS, POLICIES, Outcome, requests_for, r
                                     start_engine, stop_engine)
 from vllm_evict.testing import build_tiny_llama  # noqa: E402
 
-PENDING = "tp_pending"
 # Weights 10x the default spread: attention is peaked (entropy ~1 nat over 256 tokens, vs uniform at 0.02),
 # so scores follow content rather than token age, and greedy tokens vary instead of repeating one id.
 INIT_STD = 0.2
@@ -52,13 +51,3 @@ def tp_outcomes(request: pytest.FixtureRequest) -> Callable[[str, int], dict[str
 
     return get
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Cases marked ``tp_pending`` (known to fail until phase 2) stay out of the default run; they run
-    only when selected by a marker expression that names them, e.g. ``-m tp_pending``."""
-    if PENDING in (config.getoption("markexpr", "") or ""):
-        return
-    pending = [item for item in items if item.get_closest_marker(PENDING)]
-    if pending:
-        config.hook.pytest_deselected(items=pending)
-        items[:] = [item for item in items if not item.get_closest_marker(PENDING)]

@@ -30,16 +30,6 @@ POLICIES = ["snapkv", "h2o", "tova", "streamingllm", "knorm", "keydiff", "ahakv"
 SERVER_EVICTION = {"policy": "snapkv", "budget": BUDGET, "seed": 7}
 KV_HEADS = {"kv4": 4, "kv1": 1}  # the two test models (conftest.py): model name -> KV heads
 
-# Methods whose scores read queries: on a replicated KV head each rank sees only its share of the group.
-QUERY_DEPENDENT = {"snapkv", "h2o", "tova", "ahakv", "caote+snapkv", "fastcaote+h2o", "criticalkv+snapkv", "nacl"}
-# Why each pending case fails, in the test id's words.
-PENDING = {
-    ("kv4", "random"): "draws per local KV head: rank 1's heads 2, 3 get heads 0, 1's draws",
-    ("kv4", "nacl"): "its Gumbel noise is seeded per local KV head",
-    **{("kv1", spec): "replicated KV head scored with half of the query-head group on each rank"
-       for spec in QUERY_DEPENDENT},
-}
-
 
 def omp_bind_for(ranks: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers: one allowed core each when there are enough

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("ray", reason="the Ray tests need ray (pip install vllm-evict[ray])")
 
-from tests.scaleout.helpers import PENDING, Outcome, kept_differences  # noqa: E402
+from tests.scaleout.helpers import Outcome, kept_differences  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.tp]
 
@@ -89,12 +89,9 @@ def test_ray_tp2_keeps_what_tp1_keeps(ray_cluster, llama_kv4, tp_outcomes, tmp_p
     assert data["pool_full"], "pages not returned to the pool after the drain"
     ray_run = {name: _outcome(raw) for name, raw in data["outcomes"].items()}
     for spec, got in ray_run.items():
-        # Methods that draw per local head (tp_pending in test_tp.py) differ from TP 1 under any
-        # executor: they must match the multiprocess executor's TP 2 instead.
-        tp = 2 if ("kv4", spec) in PENDING else 1
-        want = tp_outcomes("kv4", tp)[spec]
+        want = tp_outcomes("kv4", 1)[spec]
         problems = kept_differences(got, want)
-        assert not problems, f"{spec} over Ray vs TP {tp}:\n" + "\n".join(problems[:8])
+        assert not problems, f"{spec} over Ray vs TP 1:\n" + "\n".join(problems[:8])
         assert got.tokens == want.tokens, spec
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4), spec
     assert sorted(ray_run) == sorted(tp_outcomes("kv4", 1))

@@ -30,6 +30,7 @@ from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
+from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
 from vllm_evict.policies.base import Policy
 
@@ -111,12 +112,13 @@ class EvictRunnerMixin:
                                           on_new_policy=self._on_new_policy, on_new_slot=buffers.reset_slot)
         install_row_hooks(self.input_batch, rows)  # type: ignore[attr-defined]
         self.evict_builder = StepBuilder(rows, buffers, geometry.device)
-        head_offset = self._kv_head_offset(geometry.kv_heads)
+        shard = self._kv_shard(geometry.kv_heads)
         self.evict_layers, self.evict_layer_names = [], []
         for index, (name, module) in enumerate(layers):
             k, v = views(module.kv_cache)
             self.evict_layers.append(LayerCache(index=index, k=k, v=v, positions=buffers.positions[index], state={},
-                                                ring=None, scale=float(module.impl.scale), head_offset=head_offset))
+                                                ring=None, scale=float(module.impl.scale),
+                                                head_offset=shard.head_offset if shard is not None else 0, shard=shard))
             self.evict_layer_names.append(name)
             impl = module.impl
             original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
@@ -144,16 +146,25 @@ class EvictRunnerMixin:
                 if cache.o_proj is None:
                     cache.o_proj = self._o_proj_weight(name, buffers.geometry.dtype)
 
-    def _kv_head_offset(self, local_heads: int) -> int:
-        """Global index of this rank's first KV head (tensor parallel splits or replicates KV heads)."""
+    def _kv_shard(self, local_heads: int) -> KVShard | None:
+        """This rank's KV heads under tensor parallelism (None without it): which global heads it holds
+        and, when KV heads are replicated over ranks, the TP group's all-reduce that completes the sums
+        over a query-head group (vllm_evict/kv_shard.py)."""
         try:
             from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+            from vllm.distributed.parallel_state import get_tp_group
 
             rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         except Exception:  # not initialised (tests without a distributed context)
-            return 0
+            return None
+        if world == 1:
+            return None
         total = self.model_config.get_total_num_kv_heads()  # type: ignore[attr-defined]
-        return rank * local_heads if world <= total else rank * total // world
+        shard = KVShard.of_rank(rank, world, total, get_tp_group().all_reduce)
+        if shard.local_kv_heads != local_heads:
+            raise ValueError(f"KV eviction expected {shard.local_kv_heads} KV heads on tensor-parallel rank {rank} "
+                             f"of {world} ({total} in the model), the KV cache has {local_heads}")
+        return shard
 
     def evict_kv_share(self, available: int) -> int:
         """The part of ``available`` KV-cache bytes left for K and V once eviction's buffers are counted:

@@ -9,7 +9,9 @@ candidate slots (``vllm_evict.dense`` documents the padding convention). Per row
   with ``query_positions`` [R, W] (-1: no query in that entry)
 - ``state[name]`` [R, H_kv, N]   persistent per-token state (fp32), compacted together with K and V
 
-Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model. Per-row numbers
+Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model (under tensor parallelism
+with more ranks than KV heads, ``queries`` holds this rank's share of the group: see ``kv_replicas``).
+Per-row numbers
 (``seq_len``, ``num_new``, ``budget``, ``seed``) are [R] tensors, so one call serves a whole batch; the
 engine groups rows by (policy, phase) on the host.
 
@@ -87,6 +89,10 @@ class EvictionInputs:
     layer: int = 0
     seed: Tensor | int = 0  # per-row seed; policies derive per-(layer, head) streams from it
     head_offset: int = 0  # global index of KV head 0 here (tensor parallel: the rank's first head)
+    # Ranks holding a copy of each KV head (tensor parallel over more ranks than KV heads): each copy
+    # has 1/kv_replicas of the group's query heads in ``queries``, and ``ops`` completes the group sums.
+    kv_replicas: int = 1
+    kv_heads_total: int = 0  # KV heads of the whole layer over every rank (0: those here are all of them)
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
     budget: Tensor | None = None  # int64 [R]: tokens each row keeps per head this step (None: no eviction)
     budget_max: int = 0  # the largest budget, known on the host so that shapes need no device sync
@@ -109,11 +115,17 @@ class EvictionInputs:
 
     @property
     def group_size(self) -> int:
-        return self.queries.shape[1] // self.num_kv_heads
+        """G: query heads per KV head in the model (not only those in ``queries`` on this rank)."""
+        return self.queries.shape[1] * self.kv_replicas // self.num_kv_heads
 
     @property
     def device(self) -> torch.device:
         return self.positions.device
+
+    @property
+    def layer_query_heads(self) -> int:
+        """Query heads of the whole layer (every tensor-parallel rank's)."""
+        return (self.kv_heads_total or self.num_kv_heads) * self.group_size
 
     @property
     def valid(self) -> Tensor:

@@ -39,6 +39,11 @@ class ScoreOps:
         """``dense.output_error`` for weights ``alpha`` [R, H, N]: [R, H, N], -inf on padding."""
         return dense.output_error(alpha, inp.values, inp.lengths, fast=fast, eps=eps)
 
+    def sum_over_layer(self, partial: Tensor) -> Tensor:
+        """A quantity summed over these KV heads -> summed over every KV head of the layer (tensor
+        parallel: over every rank); the dense reference holds the whole layer."""
+        return partial
+
     def value_norms(self, values: Tensor, o_proj: Tensor) -> Tensor:
         """``dense.value_norms`` of tokens entering the cache: values [H, T, d] -> [H, T]."""
         return dense.value_norms(values, o_proj)

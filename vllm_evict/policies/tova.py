@@ -15,6 +15,8 @@ ranks by.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -25,19 +27,25 @@ from vllm_evict.policies.options import check_choice
 HEADS = ("layer", "group")
 
 
-def layer_mean(per_query_head: Tensor, positions: Tensor, valid: Tensor, bound: int) -> Tensor:
+def layer_mean(per_query_head: Tensor, positions: Tensor, valid: Tensor, bound: int,
+               query_heads: int | None = None, sum_over_layer: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Mean over all query heads of the layer, per logical position: [R, H_kv, G, N] -> [R, H_kv, N].
 
-    Each candidate gets the mean, over the H_q query heads, of the attention its logical position
+    Each candidate gets the mean, over the layer's query heads, of the attention its logical position
     receives; a query head whose KV head no longer holds that position contributes 0 (as attention to an
     evicted token). Matching by position, not by slot, keeps this right whatever the slot order.
-    ``bound``: a host int above every position (a padding slot counts at position ``bound``)."""
+    ``bound``: a host int above every position (a padding slot counts at position ``bound``);
+    ``query_heads``: the layer's query heads (default: those here); ``sum_over_layer`` adds the other
+    tensor-parallel ranks' per-position totals (default: none)."""
     rows, heads, group, n = per_query_head.shape
     per_kv_head = per_query_head.sum(dim=2).masked_fill(~valid, 0.0)  # [R, H, N]
     index = positions.long().clamp(0, bound - 1).masked_fill(~valid, bound).view(rows, -1)
     totals = torch.zeros(rows, bound + 1, dtype=per_kv_head.dtype, device=per_kv_head.device)
     totals.scatter_add_(1, index, per_kv_head.view(rows, -1))
-    return (totals.gather(1, index).view(rows, heads, n) / (heads * group)).masked_fill(~valid, 0.0)
+    if sum_over_layer is not None:
+        totals = sum_over_layer(totals)
+    count = query_heads or heads * group
+    return (totals.gather(1, index).view(rows, heads, n) / count).masked_fill(~valid, 0.0)
 
 
 class TOVA(SinksAndRecent):
@@ -68,7 +76,9 @@ class TOVA(SinksAndRecent):
     def ranking_mass(self, inp: EvictionInputs) -> Tensor:
         if self.heads == "group":
             return self.attention_mass(inp)
-        return layer_mean(self.group_masses(inp), inp.positions, inp.valid, inp.seq_len_bound)
+        # Under tensor parallelism the other ranks' query heads count too: their totals are added.
+        return layer_mean(self.group_masses(inp), inp.positions, inp.valid, inp.seq_len_bound,
+                          query_heads=inp.layer_query_heads, sum_over_layer=inp.ops.sum_over_layer)
 
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         return torch.ones(inp.num_rows, dtype=torch.int64, device=inp.device)

@@ -128,6 +128,40 @@ app.kubernetes.io/part-of: vllm-evict
   mountPath: /dev/shm
 {{- end }}
 
+{{/* Ray's token authentication (ray.auth): the Secret with the token, and what every Ray pod (head and
+workers) adds to its env, volume mounts and volumes so that all of them present the same token. */}}
+{{- define "vllm-evict.rayAuthSecret" -}}
+{{- .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "vllm-evict.fullname" .)) }}
+{{- end }}
+
+{{- define "vllm-evict.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: {{ .Values.ray.auth.mode | quote }}
+{{- if eq .Values.ray.auth.mode "token" }}
+- name: RAY_AUTH_TOKEN_PATH
+  value: /etc/vllm-evict/ray-auth/token
+{{- end }}
+{{- end }}
+
+{{- define "vllm-evict.rayAuthMounts" -}}
+{{- if eq .Values.ray.auth.mode "token" }}
+- name: ray-auth
+  mountPath: /etc/vllm-evict/ray-auth
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "vllm-evict.rayAuthVolumes" -}}
+{{- if eq .Values.ray.auth.mode "token" }}
+- name: ray-auth
+  secret:
+    secretName: {{ include "vllm-evict.rayAuthSecret" . }}
+    items:
+      - key: {{ .Values.ray.auth.secretKey }}
+        path: token
+{{- end }}
+{{- end }}
+
 {{/* The init container that writes the model (model.source: initContainer). */}}
 {{- define "vllm-evict.initContainers" -}}
 {{- if eq .Values.model.source "initContainer" }}
