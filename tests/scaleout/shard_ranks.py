@@ -131,14 +131,19 @@ def rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             local_q = shard.local_kv_heads * group // shard.kv_replicas
             first_q = shard.head_offset * group + shard.replica * local_q
             problems: list[str] = []
+            layer_wide = 0  # all-reduces of methods that rank by the whole layer (TOVA's default)
             for index, (spec, options, phase) in enumerate(specs()):
+                before = calls[0]
                 policy = EvictionConfig.from_spec(spec, budget=min(BUDGETS),
                                                   **{**options_for(spec), **options}).build_policy()
                 c = case(kv_heads, group, seed=index)
                 want = run_policy(policy, c, phase, None, slice(0, kv_heads), slice(0, kv_heads * group))
                 got = run_policy(policy, c, phase, shard, heads, slice(first_q, first_q + local_q))
                 problems += differences(got, want, heads, f"{spec} {options} {phase.value}")
-            report[layout] = {"problems": problems, "all_reduces": calls[0], "replicas": shard.kv_replicas,
+                if getattr(getattr(policy, "base", policy), "heads", None) == "layer":
+                    layer_wide += calls[0] - before
+            report[layout] = {"problems": problems, "all_reduces": calls[0] - layer_wide, "layer_wide": layer_wide,
+                              "replicas": shard.kv_replicas,
                               "head_offset": shard.head_offset}
     finally:
         dist.destroy_process_group()

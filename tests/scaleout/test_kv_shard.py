@@ -70,6 +70,8 @@ def test_every_policy_agrees_across_copies(tmp_path):
         replicas = world // kv_heads if world > kv_heads else 1
         assert [rep["replicas"] for rep in per_rank] == [replicas] * world
         if replicas == 1:
-            assert calls == {0}, f"{layout}: whole groups on every rank need no all-reduce"
+            assert calls == {0}, f"{layout}: whole groups on every rank need no all-reduce for a group sum"
         else:
             assert calls.pop() > 0
+        # TOVA ranks by the whole layer: its per-position totals are added over every rank.
+        assert len({rep["layer_wide"] for rep in per_rank}) == 1 and per_rank[0]["layer_wide"] > 0
