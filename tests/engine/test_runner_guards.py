@@ -50,8 +50,19 @@ def test_profiling_kv_cache_does_not_install_hooks_twice(tiny_llama, engine_fact
     engine = engine_factory(tiny_llama, SNAPKV)
     runner = engine.runner
     config = runner.kv_cache_config
-    runner.initialize_kv_cache(config, is_profiling=True)
-    runner.initialize_kv_cache(config)
+    # vLLM's own sequence when it profiles CUDA-graph memory (gpu_worker -> profile_cudagraph_memory):
+    # a minimal cache with is_profiling=True, cleaned up, then the real one.
+    compilation = runner.compilation_config
+    saved = compilation.max_cudagraph_capture_size
+    compilation.max_cudagraph_capture_size = 8  # set on a GPU with CUDA graphs; None in eager mode
+    try:
+        runner._cleanup_profiling_kv_cache()
+        runner._init_minimal_kv_cache_for_profiling()
+        assert runner.evict_buffers.geometry.num_pages == config.num_blocks, "hooked the profiling cache"
+        runner._cleanup_profiling_kv_cache()
+        runner.initialize_kv_cache(config)
+    finally:
+        compilation.max_cudagraph_capture_size = saved
     for forward in hooked_forwards(engine):
         original = getattr(forward, HOOK_ATTR)
         assert not hasattr(original, HOOK_ATTR), "a hook wraps another hook"
