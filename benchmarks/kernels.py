@@ -57,7 +57,6 @@ DRY_RUN_COMMAND = "python benchmarks/kernels.py --dry-run"
 SMOKE_COMMAND = "TRITON_INTERPRET=1 python benchmarks/kernels.py --device cpu --small"
 POLICIES = ("snapkv", "keydiff", "caote+snapkv", "criticalkv+snapkv", "h2o")
 RECORD_TARGET, CHUNK_TARGET, BANDWIDTH_TARGET = 0.01, 0.05, 0.70
-BANDWIDTH_BOUND = ("window_mass", "keydiff_scores", "output_error", "compact_tokens")
 
 
 @dataclass(frozen=True)
@@ -274,8 +273,10 @@ class PagedKV:
 
 @dataclass
 class StepInputs:
-    """What vanilla vLLM has on the device for a step before any hook runs: the attention's q/k/v, the
-    slot mapping and the positions of the step's tokens, and the per-token row bookkeeping on the host."""
+    """What vanilla vLLM has for a step before any hook runs: the attention's q/k/v, the slot mapping
+    and the positions of the step's tokens on the device, the per-token row bookkeeping on the host.
+    (vLLM's attention also writes the step's K/V into their slots; here those slots already hold random
+    K/V, which costs the step nothing either way.)"""
 
     query: Tensor  # [T, H_q * d]
     key: Tensor  # [T, H_kv * d]
@@ -339,7 +340,8 @@ class EvictionStep:
 
     def plan(self, sc: Scenario, inp: StepInputs) -> tuple[StepPlan, list[Policy]]:
         """``StepBuilder.build`` for this batch: the record of the step's tokens and one ``build_group``
-        per kind of acting rows (evicting, or updating every step)."""
+        per kind of acting rows (evicting, or updating every step). Not included: its fix-up of vLLM's
+        ``seq_lens`` and slot mapping for rows that evicted before (a few ops on [R] and [T] tensors)."""
         kv, buffers, policy = self.kv, self.buffers, self.policy
         page = kv.shapes.page_size
         ring_index = None
@@ -389,7 +391,7 @@ class EvictionStep:
             return None
         pages = self.kv.block_table[torch.from_numpy(rows).to(self.kv.device)].long().reshape(-1)
         tensors = [self.kv.raw, self.buffers.positions[0], *(b[0] for b in self.buffers.states.values())]
-        saved = [t[pages].clone() for t in tensors]
+        saved = [t[pages] for t in tensors]  # advanced indexing copies
 
         def restore() -> None:
             for t, copy in zip(tensors, saved):
@@ -416,6 +418,7 @@ class StepRow:
     context: int
     rows: int
     evicting: int
+    kept: int  # tokens per head the evicting rows keep (0: none evicts)
     plan_us: float | None = None
     record_us: float | None = None  # record_step + record_layer of every layer
     evict_us: float | None = None  # evict_layer of one layer (None: no group acts)
@@ -512,9 +515,8 @@ def attempt(res: Results, what: str, fn: Callable[[], object]) -> object | None:
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         res.notes.append(f"{what} failed: {type(exc).__name__}: {first}")
-        return None
-    finally:
         release(res.device_type)
+        return None
 
 
 def measure_kernels(res: Results, kv: PagedKV, timer: Timer, backends: set[str], cases: list[KernelCase]) -> None:
@@ -564,6 +566,7 @@ def measure_attention(res: Results, kv: PagedKV, timer: Timer, queries: int) -> 
         return timer(fn).device_us
 
     out = attempt(res, f"attention ({queries} queries, {_ctx(kv.context)})", run)
+    release(res.device_type)  # its dense K/V copies
     return out if isinstance(out, float) else None
 
 
@@ -598,6 +601,7 @@ def measure_steps(res: Results, kv: PagedKV, timer: Timer, budget: int | None) -
                 attempt(res, f"{spec} step {sc.key} ({_ctx(kv.context)})", lambda: measure_step(row, step, sc, timer))
             res.steps.append(row)
         del step
+        release(res.device_type)  # this policy's buffers
 
 
 def min_budget(scenario_list: list[Scenario]) -> int:
@@ -608,7 +612,8 @@ def min_budget(scenario_list: list[Scenario]) -> int:
 def scenario_row(s: Shapes, sc: Scenario, spec: str) -> StepRow:
     policy = EvictionConfig.from_spec(spec, budget=int(sc.context)).build_policy()
     acts = sc.evicting > 0 or policy.needs_every_step
-    return StepRow(sc.key, spec, sc.context, len(sc.computed), sc.evicting, layers=s.layers, acts=acts,
+    kept = int(sc.keep.max()) if sc.evicting else 0
+    return StepRow(sc.key, spec, sc.context, len(sc.computed), sc.evicting, kept, layers=s.layers, acts=acts,
                    attention_bytes=s.layers * attention_bytes(s, sc.context, len(sc.computed), int(sc.scheduled[0])))
 
 
@@ -740,10 +745,10 @@ def step_lines(res: Results) -> list[str]:
         f"the accumulated attention of) the acting rows; *step* = plan + record + {s.layers} x evict. *host*: the "
         "time the Python calls of the whole step take to launch it (on a GPU, work queues behind it; on the "
         "critical path when the device is idle). *attention*: torch SDPA of the same step over the same "
-        f"contexts ({s.layers} layers), the stand-in for vanilla vLLM's step: the real step also runs the "
-        "projections, MLP and sampling, so the ratios are upper bounds of eviction's share. For decode steps, "
-        "*of floor* compares the step with the least time any decode attention can take: its K/V bytes at the "
-        "copy bandwidth.",
+        f"contexts ({s.layers} layers), the stand-in for vanilla vLLM's step. The real step also runs the "
+        "projections, MLP and sampling (more time), while vLLM's own attention kernel may beat SDPA's (less); "
+        "so for decode steps *step / floor* also compares the step with the least time any decode attention "
+        "can take: its K/V bytes at the copy bandwidth.",
         "",
         "Every layer's `LayerCache` has its own positions, states and ring (the engine's `EvictionBuffers`, "
         f"sized for {s.rows} rows), and shares one layer's K/V pages; layer 0's evict phase is timed on a cache "
@@ -760,14 +765,15 @@ def step_lines(res: Results) -> list[str]:
                     "not only recorded: its accumulated attention is updated on every step (the evict column), "
                     "so it is held to no target here.", ""]
         elif key == "chunk":
-            budget = "its context minus the chunk (a chunked-prefill request whose cache was full)"
             out += [f"Each of the {s.rows} requests adds a {s.chunk}-token chunk at the end of its context and keeps "
-                    f"{budget} per head. Target: the whole eviction step <= {CHUNK_TARGET:.0%} of the chunk's "
-                    "attention. h2o adds the chunk's full attention to its state, an attention-sized pass.", ""]
+                    "*kept* tokens per head (by default its context minus the chunk: a chunked-prefill request whose "
+                    "cache was full, or the last chunk of a one-shot policy's prompt). Target: the whole eviction "
+                    f"step <= {CHUNK_TARGET:.0%} of the chunk's attention. h2o adds the chunk's full attention to "
+                    "its state, an attention-sized pass.", ""]
         else:
             out += [f"{s.evicting_rows} of {s.rows} requests are at their budget + one page and evict it; the "
                     "others only record.", ""]
-        header = ["policy", "context", "evicting", "plan (us)", f"record, {s.layers} layers (us)",
+        header = ["policy", "context", "evicting", "kept", "plan (us)", f"record, {s.layers} layers (us)",
                   "evict, 1 layer (us)", "step (us)", "host (us)", f"attention, {s.layers} layers (us)",
                   "step / attention"]
         if key != "chunk":
@@ -776,7 +782,8 @@ def step_lines(res: Results) -> list[str]:
         table = []
         for r in rows:
             ratio = None if r.step_us is None or r.attention_us is None else r.step_us / r.attention_us
-            cells = [r.policy, _ctx(r.context), f"{r.evicting} of {r.rows}", _us(r.plan_us, miss),
+            cells = [r.policy, _ctx(r.context), f"{r.evicting} of {r.rows}", f"{r.kept:,}" if r.kept else "-",
+                     _us(r.plan_us, miss),
                      _us(r.record_us, miss), _us(r.evict_us, miss) if r.acts else "-", _us(r.step_us, miss),
                      _us(r.host_us, miss), _us(r.attention_us, miss), _pct(ratio, miss, 2)]
             if key != "chunk":
@@ -873,6 +880,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget is not None and not 0 < args.budget < min(shapes.contexts) - shapes.chunk + 1:
         parser.error(f"--budget must be between 1 and {min(shapes.contexts) - shapes.chunk} (the smallest context "
                      "minus the chunk), or left out")
+    for spec in POLICIES if args.budget is not None else ():
+        try:
+            EvictionConfig.from_spec(spec, budget=args.budget).build_policy()
+        except ValueError as exc:
+            parser.error(f"--budget {args.budget} does not suit {spec}: {exc}")
     if args.dry_run:
         text = render(skeleton(shapes, args.budget), DRY_RUN_COMMAND)
     else:

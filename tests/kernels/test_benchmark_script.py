@@ -65,11 +65,16 @@ def row_of(table, *first: str) -> list[str]:
     return matches[0]
 
 
+def cell(table, row: list[str], column: str) -> str:
+    return row[table[0].index(column)]
+
+
 def test_dry_run_writes_the_skeleton(bench, tmp_path):
     out = tmp_path / "kernels.md"
     assert bench.main(["--dry-run", "--out", str(out)]) == 0
     text = out.read_text()
     assert "**Unmeasured.**" in text and f"`{bench.GPU_COMMAND}`" in text and bench.SMOKE_COMMAND in text
+    assert "{" not in text, "a placeholder was not formatted"
     kernel, norms, decode, chunk, decode_evict = tables(text)
     for table in (kernel, norms, decode, chunk, decode_evict):
         assert table[1], table[0]
@@ -90,7 +95,12 @@ def test_dry_run_writes_the_skeleton(bench, tmp_path):
     assert row_of(kernel, "keydiff_scores", "-", "4k", "8", "torch")[4:6] == ["torch", bench.UNMEASURED]
     assert row_of(norms, "one prefill chunk", "2048", "triton")[4] == f"{2 * 2048 * 32 * 128 * 4096 / 1e9:.3g}"
     # h2o updates its state every step: its evict column is a measurement even when nothing evicts.
-    assert row_of(decode, "h2o", "4k")[5] == bench.UNMEASURED and row_of(decode, "snapkv", "4k")[5] == "-"
+    evict = "evict, 1 layer (us)"
+    assert cell(decode, row_of(decode, "h2o", "4k"), evict) == bench.UNMEASURED
+    assert cell(decode, row_of(decode, "snapkv", "4k"), evict) == "-"
+    # (b) keeps the context minus the 2k chunk, (c) evicts one page of 16 in 4 of the 64 rows.
+    assert [cell(chunk, row_of(chunk, "keydiff", c), "kept") for c in ("4k", "32k")] == ["2,048", "30,720"]
+    assert row_of(decode_evict, "keydiff", "32k")[2:4] == ["4 of 64", "32,752"]
 
 
 def test_the_committed_report_is_the_dry_run(bench, tmp_path):
@@ -131,7 +141,8 @@ def test_cpu_smoke_run_measures_every_row(bench, tmp_path):
     for table in (decode, chunk, decode_evict):
         assert len(table[1]) == len(bench.POLICIES) * len(s.contexts)
     # Every row evicts in (b), one in (c): the evict phase ran and was timed.
-    assert all(NUMBER.match(row[5]) for row in chunk[1] + decode_evict[1])
+    assert all(NUMBER.match(cell(table, row, "evict, 1 layer (us)")) for table in (chunk, decode_evict)
+               for row in table[1])
     assert {row[2] for row in decode_evict[1]} == {f"{s.evicting_rows} of {s.rows}"}
 
 
