@@ -1,9 +1,9 @@
 """The eviction kernels and the engine's eviction step on a GPU, written to docs/benchmarks/kernels.md.
 
-    python benchmarks/kernels.py                          # measure on the visible CUDA GPU, write the report
-    python benchmarks/kernels.py --dry-run                # the report skeleton: nothing measured, bytes computed
-    python benchmarks/kernels.py --device cpu --small     # smoke run of the same code on tiny shapes, on CPU
-    TRITON_INTERPRET=1 python benchmarks/kernels.py --device cpu --small    # ... Triton kernels interpreted too
+    .venv/bin/python benchmarks/kernels.py                       # measure on the visible CUDA GPU, write the report
+    .venv/bin/python benchmarks/kernels.py --dry-run             # the skeleton: nothing measured, bytes computed
+    .venv/bin/python benchmarks/kernels.py --device cpu --small  # smoke run of the same code on tiny shapes, on CPU
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/kernels.py --device cpu --small   # ... Triton interpreted too
 
 Shapes: Llama-3.1-8B (32 layers, 8 KV heads, 32 query heads, head size 128, hidden 4096, bf16, pages of 16
 tokens), 64 requests, contexts 4k and 32k, SnapKV's 32-query window, 2k-token prefill chunks.
@@ -52,9 +52,9 @@ from vllm_evict.policies.base import Phase, Policy  # noqa: E402
 
 UNMEASURED = "unmeasured"
 DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "kernels.md"
-GPU_COMMAND = "python benchmarks/kernels.py"
-DRY_RUN_COMMAND = "python benchmarks/kernels.py --dry-run"
-SMOKE_COMMAND = "TRITON_INTERPRET=1 python benchmarks/kernels.py --device cpu --small"
+GPU_COMMAND = ".venv/bin/python benchmarks/kernels.py"
+DRY_RUN_COMMAND = f"{GPU_COMMAND} --dry-run"
+SMOKE_COMMAND = f"TRITON_INTERPRET=1 {GPU_COMMAND} --device cpu --small"
 POLICIES = ("snapkv", "keydiff", "caote+snapkv", "criticalkv+snapkv", "h2o")
 RECORD_TARGET, CHUNK_TARGET, BANDWIDTH_TARGET = 0.01, 0.05, 0.70
 
@@ -551,7 +551,7 @@ def attention_call(s: Shapes, context: int, queries: int, device: torch.device) 
     try:
         sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
         return (lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)), "torch SDPA, GQA"
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever SDPA raises, the repeated K/V path is plain attention
         k, v = k.repeat_interleave(s.group, dim=1), v.repeat_interleave(s.group, dim=1)
         return (lambda: sdpa(q, k, v, attn_mask=mask)), f"torch SDPA, K/V repeated ({str(exc)[:120]})"
 
@@ -831,17 +831,19 @@ def render(res: Results, command: str) -> str:
         status = [f"**Unmeasured.** No GPU was available to produce this file, so it is the skeleton that "
                   f"`{DRY_RUN_COMMAND}` writes: every time, bandwidth and ratio reads `{UNMEASURED}`; only the "
                   "byte and FLOP counts, which follow from the shapes, are filled in. To measure, run "
-                  f"`{GPU_COMMAND}` from the repository root on a machine with one CUDA GPU of 40 GB or more "
-                  "(`make install` installs `vllm==0.33.0` there); it rewrites this file with the figures."]
+                  f"`{GPU_COMMAND}` from the repository root on a machine with one CUDA GPU (written for an 80 GB "
+                  "H100: the 32k cases hold a few copies of one layer's 8 GiB of K/V) after `make install`, which "
+                  "installs `vllm==0.33.0` there; it rewrites this file with the figures."]
+    commands = [(GPU_COMMAND, "on a CUDA GPU: measure, write docs/benchmarks/kernels.md"),
+                (DRY_RUN_COMMAND, "the skeleton, without a GPU"), (SMOKE_COMMAND, "CPU smoke run, tiny shapes")]
+    width = max(len(cmd) for cmd, _ in commands)
     lines = [
         "# Eviction kernels and the eviction step on a GPU",
         "",
         *status,
         "",
         "```bash",
-        f"{GPU_COMMAND}            # on a CUDA GPU: measure and write docs/benchmarks/kernels.md",
-        f"{DRY_RUN_COMMAND}  # the skeleton, without a GPU",
-        f"{SMOKE_COMMAND}  # CPU smoke run, tiny shapes",
+        *(f"{cmd:<{width}}  # {what}" for cmd, what in commands),
         "```",
         "",
         "## Set-up",
@@ -864,6 +866,15 @@ def render(res: Results, command: str) -> str:
 
 
 # ---- command line ----------------------------------------------------------------------------------
+def python_command() -> str:
+    """This interpreter as the report's command should name it: relative to the checkout when it is the
+    project's environment."""
+    try:
+        return str(Path(sys.executable).relative_to(ROOT))
+    except ValueError:
+        return "python"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
@@ -900,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("TRITON_INTERPRET", None)
         reps = args.reps or (1 if args.small else 10)
         warmup = args.warmup if args.warmup is not None else (1 if args.small else 2)
-        command = " ".join(["python benchmarks/kernels.py", *(argv if argv is not None else sys.argv[1:])])
+        command = " ".join([python_command(), "benchmarks/kernels.py", *(argv if argv is not None else sys.argv[1:])])
         if device.type == "cpu" and ops.interpreting():
             command = "TRITON_INTERPRET=1 " + command
         text = render(measure(shapes, device, reps, warmup, args.budget), command)
