@@ -1,364 +1,927 @@
-"""Benchmark of the eviction kernels at Llama-3.1-8B shapes, written to docs/benchmarks/kernels.md.
+"""The eviction kernels and the engine's eviction step on a GPU, written to docs/benchmarks/kernels.md.
 
-    python benchmarks/kernels.py                      # measure on the visible GPU, write the report
-    python benchmarks/kernels.py --dry-run            # write the report skeleton, every cell unmeasured
+    .venv/bin/python benchmarks/kernels.py                       # measure on the visible CUDA GPU, write the report
+    .venv/bin/python benchmarks/kernels.py --dry-run             # the skeleton: nothing measured, bytes computed
+    .venv/bin/python benchmarks/kernels.py --device cpu --small  # smoke run of the same code on tiny shapes, on CPU
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/kernels.py --device cpu --small   # ... Triton interpreted too
 
-Shapes: 32 layers, 8 KV heads, 32 query heads, head_dim 128, hidden 4096, bf16, block size 16;
-contexts 4k/32k/128k, budgets 1k/2k/4k, a 32-query observation window, 2k prefill chunks.
+Shapes: Llama-3.1-8B (32 layers, 8 KV heads, 32 query heads, head size 128, hidden 4096, bf16, pages of 16
+tokens), 64 requests, contexts 4k and 32k, SnapKV's 32-query window, 2k-token prefill chunks.
 
-For every kernel and backend (Triton, CUDA where one exists, the PyTorch reference for scale): median
-time, bytes read + written (the minimum traffic the operation needs), achieved bandwidth and its
-fraction of the peak, where the peak is measured in the same run by a device-to-device copy.
-Then the eviction cost of one layer at each (context, budget) - scoring the context, top-k, and
-compacting to the budget - next to the attention time of a 2k prefill chunk over that context
-(torch SDPA), for SnapKV, KeyDiff, CAOTE+SnapKV and CriticalKV+SnapKV with the fastest backends.
-The report ends with the preference table (``vllm_evict.ops.set_preference``) the timings imply.
+1. Kernels: every ``vllm_evict.ops`` operation on every backend (CUDA where a kernel exists, Triton, and the
+   PyTorch reference for scale), batched over the requests: time, the bytes the kernel moves and the
+   achieved fraction of the device-to-device copy bandwidth measured in the same run.
+2. The engine step, through ``vllm_evict.evict_step`` exactly as engine/step_builder.py and engine/runner.py
+   call it: a ``StepPlan`` (``Record`` + ``build_group`` groups), ``record_step``, ``record_layer`` per
+   layer and ``evict_layer`` over real ``LayerCache``s on a synthetic paged cache (vLLM's FLASH_ATTN
+   layout, shuffled pages) and the engine's own ``EvictionBuffers``; for snapkv, keydiff, caote+snapkv,
+   criticalkv+snapkv and h2o (whose state update runs every step):
+   (a) a decode step where no request evicts, (b) a 2k-token prefill chunk per request, every request
+   evicting back to its budget, (c) a decode step where 4 of the 64 requests evict a page of growth;
+   each next to the attention of the same step (torch SDPA), the stand-in for vanilla vLLM's step.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
+from torch import Tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LAYERS, H_KV, H_Q, D, HIDDEN = 32, 8, 32, 128, 4096
-BLOCK_SIZE, WINDOW, CHUNK = 16, 32, 2048
-CONTEXTS = (4096, 32768, 131072)
-BUDGETS = (1024, 2048, 4096)
-UNMEASURED = "unmeasured (no GPU in this task)"
-COMMAND = "python benchmarks/kernels.py --out docs/benchmarks/kernels.md"
+from vllm_evict import ops  # noqa: E402
+from vllm_evict.config import EvictionConfig  # noqa: E402
+from vllm_evict.engine.buffers import EvictionBuffers, Geometry  # noqa: E402
+from vllm_evict.evict_step import (  # noqa: E402
+    LayerCache, Record, StepPlan, build_group, evict_layer, record_layer, record_step, ring_entries,
+    state_initializers, tokens_view,
+)
+from vllm_evict.policies.base import Phase, Policy  # noqa: E402
 
-KERNEL_OPS = ("window_attention_mass", "keydiff_scores", "caote_scores", "criticalkv_value_norms",
-              "compact_tokens")
-POLICIES = {
-    "snapkv": ("window_attention_mass",),
-    "keydiff": ("keydiff_scores",),
-    "caote+snapkv": ("window_attention_mass", "caote_scores"),
-    "criticalkv+snapkv": ("window_attention_mass", "criticalkv_value_norms"),
+UNMEASURED = "unmeasured"
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "kernels.md"
+GPU_COMMAND = ".venv/bin/python benchmarks/kernels.py"
+DRY_RUN_COMMAND = f"{GPU_COMMAND} --dry-run"
+SMOKE_COMMAND = f"TRITON_INTERPRET=1 {GPU_COMMAND} --device cpu --small"
+POLICIES = ("snapkv", "keydiff", "caote+snapkv", "criticalkv+snapkv", "h2o")
+RECORD_TARGET, CHUNK_TARGET, BANDWIDTH_TARGET = 0.01, 0.05, 0.70
+
+
+@dataclass(frozen=True)
+class Shapes:
+    layers: int
+    kv_heads: int
+    query_heads: int
+    head_size: int
+    hidden: int
+    page_size: int
+    dtype: torch.dtype
+    rows: int  # requests in the batch
+    contexts: tuple[int, ...]  # tokens cached per request once the step's tokens are in
+    window: int  # observation-window queries of the kernel cases (SnapKV's default)
+    chunk: int  # prefill chunk per request
+    evicting_rows: int  # rows that evict in scenario (c)
+    torch_rows: int  # rows the PyTorch reference is timed at (it gathers K/V densely)
+    name: str = ""
+
+    @property
+    def group(self) -> int:
+        return self.query_heads // self.kv_heads
+
+    @property
+    def element(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+
+LLAMA_8B = Shapes(layers=32, kv_heads=8, query_heads=32, head_size=128, hidden=4096, page_size=16,
+                  dtype=torch.bfloat16, rows=64, contexts=(4096, 32768), window=32, chunk=2048, evicting_rows=4,
+                  torch_rows=8, name="Llama-3.1-8B")
+SMALL = Shapes(layers=2, kv_heads=2, query_heads=4, head_size=16, hidden=64, page_size=16, dtype=torch.float32,
+               rows=2, contexts=(96, 160), window=16, chunk=32, evicting_rows=1, torch_rows=1, name="tiny")
+
+
+# ---- what is measured: kernel cases and step scenarios ---------------------------------------------
+@dataclass(frozen=True)
+class KernelCase:
+    """One ``ops`` call: ``context`` candidates per row (0: not per context), ``tokens`` new tokens."""
+
+    op: str
+    variant: str
+    context: int
+    tokens: int = 0
+
+    def backends(self) -> tuple[str, ...]:
+        cuda = self.op in ops.CUDA_OPS and self.variant != "per query head"
+        return ("cuda", "triton", "torch") if cuda else ("triton", "torch")
+
+
+def kernel_cases(shapes: Shapes) -> list[KernelCase]:
+    cases = []
+    for c in shapes.contexts:
+        cases += [KernelCase("window_mass", "group sum", c), KernelCase("window_mass", "per query head", c),
+                  KernelCase("keydiff_scores", "", c), KernelCase("output_error", "caote", c),
+                  KernelCase("compact_tokens", "K, V, positions; half kept", c)]
+    cases += [KernelCase("value_norms", "decode step", 0, shapes.rows),
+              KernelCase("value_norms", "one prefill chunk", 0, shapes.chunk)]
+    return cases
+
+
+def kernel_bytes(case: KernelCase, s: Shapes, rows: int) -> int:
+    """DRAM traffic of the kernel as designed, read + written: each pass of a two-pass kernel reads its
+    keys (values) once; ``compact_tokens`` keeps the last half of every row, so every kept slot moves."""
+    n, h, e = case.context, s.kv_heads, s.element
+    cache = rows * n * h * s.head_size * e  # one of K or V over the rows' candidates
+    per_slot_fp32 = rows * n * h * 4
+    if case.op == "window_mass":
+        out = per_slot_fp32 * (s.group if case.variant == "per query head" else 1)
+        return 2 * (cache + per_slot_fp32) + rows * s.window * s.query_heads * s.head_size * e + out
+    if case.op == "keydiff_scores":
+        return 2 * cache + per_slot_fp32
+    if case.op == "output_error":  # values and alpha in both passes, scores out
+        return 2 * (cache + per_slot_fp32) + per_slot_fp32
+    if case.op == "compact_tokens":
+        moved = rows * h * (n // 2)
+        return 2 * moved * (2 * s.head_size * e + 4) + moved * 8
+    if case.op == "value_norms":
+        t = case.tokens
+        return t * h * s.head_size * e + s.hidden * s.query_heads * s.head_size * e + t * h * 4
+    raise KeyError(case.op)
+
+
+def kernel_flops(case: KernelCase, s: Shapes) -> int:
+    """value_norms: one [T, d] x [d, hidden] product per query head."""
+    return 2 * case.tokens * s.query_heads * s.head_size * s.hidden if case.op == "value_norms" else 0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One step of the batch: per row, logical tokens before it (nothing evicted earlier, so also the
+    physical ones), tokens it adds, and tokens kept per head after it (-1: the row does not evict)."""
+
+    key: str  # "decode" (a), "chunk" (b), "decode_evict" (c)
+    context: int
+    computed: np.ndarray
+    scheduled: np.ndarray
+    keep: np.ndarray
+    phase: Phase
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.scheduled.sum())
+
+    @property
+    def evicting(self) -> int:
+        return int((self.keep >= 0).sum())
+
+
+def scenarios(s: Shapes, context: int, budget: int | None) -> list[Scenario]:
+    rows = s.rows
+    full = lambda value: np.full(rows, value, dtype=np.int64)  # noqa: E731
+    chunk_keep = budget if budget is not None else context - s.chunk
+    evict = np.where(np.arange(rows) < s.evicting_rows, context - s.page_size, -1).astype(np.int64)
+    return [Scenario("decode", context, full(context - 1), full(1), full(-1), Phase.DECODE),
+            Scenario("chunk", context, full(context - s.chunk), full(s.chunk), full(chunk_keep), Phase.PROMPT_END),
+            Scenario("decode_evict", context, full(context - 1), full(1), evict, Phase.DECODE)]
+
+
+SCENARIO_TITLES = {
+    "decode": "(a) Decode step, no request evicts: the record phase next to the step's attention",
+    "chunk": "(b) One prefill chunk per request, every request evicting back to its budget",
+    "decode_evict": "(c) Decode step in which some requests evict one page of growth",
 }
 
 
+def attention_bytes(s: Shapes, context: int, rows: int, queries: int) -> int:
+    """K and V read once, queries read and outputs written: the traffic floor of one layer's attention."""
+    return 2 * rows * context * s.kv_heads * s.head_size * s.element + 2 * rows * queries * s.query_heads * \
+        s.head_size * s.element
+
+
+# ---- timing ---------------------------------------------------------------------------------------
 @dataclass
-class Row:
-    op: str
-    backend: str
-    context: int
-    budget: int | None
-    ms: float | None
-    bytes: int
-    peak: float | None
-
-    def cells(self) -> list[str]:
-        if self.ms is None:
-            return [self.op, self.backend, _k(self.context), _k(self.budget), UNMEASURED, f"{self.bytes / 2**20:.1f}",
-                    UNMEASURED, UNMEASURED]
-        gbs = self.bytes / (self.ms * 1e-3) / 1e9
-        return [self.op, self.backend, _k(self.context), _k(self.budget), f"{self.ms * 1e3:.1f}",
-                f"{self.bytes / 2**20:.1f}", f"{gbs:.0f}", f"{100 * gbs / self.peak:.0f}%"]
+class Timing:
+    device_us: float  # CUDA events around the launches (host gaps included); wall time on CPU
+    host_us: float  # wall time of the Python calls that launch the work, without waiting for it
 
 
-def _k(n: int | None) -> str:
-    return "-" if n is None else f"{n // 1024}k"
+class Timer:
+    def __init__(self, device: torch.device, reps: int, warmup: int) -> None:
+        self.device, self.reps, self.warmup = device, reps, warmup
 
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-def op_bytes(op: str, context: int, budget: int, elem: int = 2) -> int:
-    """Minimum traffic of one layer's call (read + write), in bytes."""
-    kv_head = context * D * elem  # one KV head's keys (or values)
-    if op == "window_attention_mass":  # keys, both passes; queries; fp32 mass out
-        return H_KV * 2 * kv_head + WINDOW * H_Q * D * elem + H_KV * context * 4
-    if op == "keydiff_scores":  # keys twice (anchor, then scores); fp32 out
-        return H_KV * 2 * kv_head + H_KV * context * 4
-    if op == "caote_scores":  # values + alpha twice; fp32 out
-        return H_KV * (2 * kv_head + 2 * context * 4 + context * 4)
-    if op == "criticalkv_value_norms":  # the chunk's values, o_proj, fp32 nu out
-        return H_KV * CHUNK * D * elem + HIDDEN * H_Q * D * elem + H_KV * CHUNK * 4
-    if op == "compact_tokens":  # budget slots of K and V read and written (upper bound: all move)
-        return 2 * 2 * H_KV * budget * D * elem
-    raise KeyError(op)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
-# ---- measurement ------------------------------------------------------------------------------------
-def _time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    if torch.cuda.is_available():
-        for _ in range(warmup):
+    def __call__(self, fn: Callable[[], object], setup: Callable[[], None] | None = None) -> Timing:
+        """Median over ``reps`` calls of ``fn``; ``setup`` (untimed) runs before every call."""
+        for _ in range(self.warmup):
+            if setup is not None:
+                setup()
             fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        device, host = [], []
+        cuda = self.device.type == "cuda"
+        for _ in range(self.reps):
+            if setup is not None:
+                setup()
+            self.sync()
+            if cuda:
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
             fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        return statistics.median(times)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+            launched = time.perf_counter() - t0
+            if cuda:
+                stop.record()
+                stop.synchronize()
+                device.append(start.elapsed_time(stop) * 1e3)
+            else:
+                device.append(launched * 1e6)
+            host.append(launched * 1e6)
+        return Timing(statistics.median(device), statistics.median(host))
 
 
-def peak_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """GB/s of a device-to-device copy (read + write counted), this run's bandwidth ceiling."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
+    """GB/s of a device-to-device copy, read + write counted: this run's bandwidth ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), reps=10)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    t = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (t.device_us * 1e-6) / 1e9
 
 
-class Case:
-    """One layer's paged cache with one request of ``context`` tokens (shuffled pages, NHD layout)."""
+# ---- a synthetic batch over a paged cache -----------------------------------------------------------
+class PagedKV:
+    """One layer's K/V pages for ``rows`` requests of up to ``context`` tokens, laid out as vLLM's
+    FLASH_ATTN backend stores them ([pages, page_size, H_kv, 2 * d], K and V the two halves of the last
+    axis, seen through [pages, H_kv, page_size, d] views), pages shuffled over the pool, page 0 the null
+    page. Every layer's ``LayerCache`` shares these K/V tensors: the record phase never reads them, and
+    only layer 0 evicts (one layer of 64 x 32k tokens is 8 GiB; the step is scaled to all layers)."""
 
-    def __init__(self, context: int, device: torch.device, dtype=torch.bfloat16, seed: int = 0):
+    def __init__(self, s: Shapes, context: int, device: torch.device, seed: int = 0) -> None:
+        self.shapes, self.context, self.device = s, context, device
+        gen = torch.Generator().manual_seed(seed)
+        self.pages_per_row = -(-context // s.page_size)
+        self.num_pages = 1 + s.rows * self.pages_per_row
+        order = torch.randperm(self.num_pages - 1, generator=gen) + 1
+        self.table = order.view(s.rows, self.pages_per_row).numpy().astype(np.int64)  # the host copy
+        self.block_table = torch.from_numpy(self.table).to(device=device, dtype=torch.int32)  # as vLLM's
         torch.manual_seed(seed)
-        pages = -(-(context + CHUNK) // BLOCK_SIZE)
-        raw = torch.randn(pages, BLOCK_SIZE, H_KV, 2 * D, device=device, dtype=dtype)
-        self.k, self.v = raw.transpose(1, 2).split(D, dim=-1)  # FLASH_ATTN's NHD views
-        self.table = torch.randperm(pages, device=device).to(torch.int32).view(1, -1)
-        self.context = context
-        self.lengths = torch.tensor([context], device=device)
-        self.queries = torch.randn(WINDOW, H_Q, D, device=device, dtype=dtype)
-        self.qsl = torch.tensor([0, WINDOW], device=device)
-        self.qpos = torch.arange(context - WINDOW, context, device=device)
-        self.alpha = torch.softmax(torch.randn(1, H_KV, context, device=device), dim=-1)
-        self.o_proj = torch.randn(HIDDEN, H_Q * D, device=device, dtype=dtype) * D ** -0.5
-        self.nu = torch.zeros(pages, H_KV, BLOCK_SIZE, device=device)
-        self.device = device
+        self.raw = torch.randn(self.num_pages, s.page_size, s.kv_heads, 2 * s.head_size, dtype=s.dtype,
+                               device=device)
+        self.k, self.v = self.raw.transpose(1, 2).split(s.head_size, dim=-1)
+        self.o_proj = torch.randn(s.layers, s.hidden, s.query_heads * s.head_size, dtype=s.dtype,
+                                  device=device) * s.hidden ** -0.5
 
-    def keep(self, budget: int) -> torch.Tensor:
-        scores = torch.rand(1, H_KV, self.context, device=self.device)
-        return torch.sort(torch.topk(scores, budget, dim=-1).indices, dim=-1).values
-
-    def call(self, op: str, backend: str, budget: int):
-        from vllm_evict import ops
-
-        if op == "window_attention_mass":
-            return lambda: ops.window_attention_mass(self.k, self.table, self.lengths, self.queries, self.qsl,
-                                                     self.qpos, D ** -0.5, max_len=self.context, backend=backend)
-        if op == "keydiff_scores":
-            return lambda: ops.keydiff_scores(self.k, self.table, self.lengths, max_len=self.context, backend=backend)
-        if op == "caote_scores":
-            return lambda: ops.caote_scores(self.v, self.table, self.lengths, self.alpha, backend=backend)
-        if op == "criticalkv_value_norms":
-            starts = torch.tensor([max(0, self.context - CHUNK)], device=self.device)
-            return lambda: ops.criticalkv_value_norms(self.v, self.table, starts, self.lengths, self.o_proj, self.nu,
-                                                      backend=backend)
-        if op == "compact_tokens":
-            keep = self.keep(budget)
-            # in place and idempotent enough for timing: the same keep set moves data every call
-            return lambda: ops.compact_tokens([self.k, self.v], self.table, keep, backend=backend)
-        raise KeyError(op)
-
-    def engine_step(self, spec: str, budget: int):
-        """What the model runner does for one layer of one request: ``policy.step`` with the paged score
-        kernels and deferred K/V gathers (engine/runner.py), then compaction of K, V and positions."""
-        from functools import partial
-
-        from vllm_evict import ops, paged
-        from vllm_evict.config import EvictionConfig
-        from vllm_evict.engine.paged_kernels import PagedScoreKernels
-        from vllm_evict.policies.base import Deferred, EvictionInputs, Phase
-
-        policy = EvictionConfig.from_spec(spec, budget=budget).build_policy()
-        ids, n = self.table[0].long(), self.context
-        positions = torch.zeros(self.nu.shape, dtype=torch.int64, device=self.device)
-        paged.write_tokens(positions, ids, 0, torch.arange(n, device=self.device).expand(H_KV, n))
-        start = max(0, n - CHUNK)  # this chunk's tokens are the last CHUNK slots
-        buffers = {name: torch.zeros(self.nu.shape, device=self.device) for name in policy.state_names}
-        kernels = PagedScoreKernels(k_cache=self.k, v_cache=self.v, positions=positions, block_ids=ids, length=n,
-                                    new_start=start, state_buffer=buffers.__getitem__)
-        # The runner has the chunk's K/V from the layer's inputs; here they are taken once, untimed.
-        new_keys = paged.gather_tokens(self.k, ids, n)[:, start:]
-        new_values = paged.gather_tokens(self.v, ids, n)[:, start:]
-        queries = self.queries.transpose(0, 1)  # [H_q, w, d]
-        window = policy.query_window
-
-        def step() -> None:
-            for name, values in policy.init_state(new_keys, new_values, self.o_proj, kernels).items():
-                ops.write_tokens(buffers[name], ids, start, values)
-            inp = EvictionInputs(
-                keys=Deferred(partial(ops.gather_tokens, self.k, ids, n)),
-                values=Deferred(partial(ops.gather_tokens, self.v, ids, n)),
-                positions=ops.gather_tokens(positions, ids, n),
-                queries=queries if window is None else queries[:, queries.shape[1] - window:],
-                query_positions=self.qpos if window is None else self.qpos[self.qpos.shape[0] - window:],
-                scale=D ** -0.5, seq_len=n, num_new=n - start, phase=Phase.PROMPT_END,
-                state={name: ops.gather_tokens(buf, ids, n) for name, buf in buffers.items()},
-                o_proj=self.o_proj, kernels=kernels)
-            result = policy.step(inp, budget)
-            ops.compact_tokens([self.k, self.v, positions, *buffers.values()], ids, result.keep)
-
-        return step
-
-    def topk(self, budget: int):
-        scores = torch.rand(1, H_KV, self.context, device=self.device)
-        from vllm_evict.policies.base import topk_keep
-
-        return lambda: topk_keep(scores, budget)
-
-    def attention(self):
-        """SDPA of one 2k prefill chunk (32 query heads) over ``context`` keys (GQA expanded)."""
-        q = torch.randn(1, H_Q, CHUNK, D, device=self.device, dtype=torch.bfloat16)
-        k = torch.randn(1, H_Q, self.context, D, device=self.device, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        return lambda: sdpa(q, k, v)
+    def slot_positions(self) -> tuple[Tensor, Tensor]:
+        """(pages [R * P], positions [R * P, page_size]): position = slot index in every row's pages."""
+        s = self.shapes
+        pages = self.block_table.long().reshape(-1)
+        slots = torch.arange(self.pages_per_row * s.page_size, device=self.device, dtype=torch.int32)
+        return pages, slots.view(1, self.pages_per_row, s.page_size).expand(s.rows, -1, -1).reshape(-1, s.page_size)
 
 
-def backends_for(op: str) -> list[str]:
-    from vllm_evict import ops
+@dataclass
+class StepInputs:
+    """What vanilla vLLM has for a step before any hook runs: the attention's q/k/v, the slot mapping
+    and the positions of the step's tokens on the device, the per-token row bookkeeping on the host.
+    (vLLM's attention also writes the step's K/V into their slots; here those slots already hold random
+    K/V, which costs the step nothing either way.)"""
 
-    out = ["triton"]
-    if op in ops.CUDA_OPS:
-        out.insert(0, "cuda")
+    query: Tensor  # [T, H_q * d]
+    key: Tensor  # [T, H_kv * d]
+    value: Tensor
+    slot_mapping: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T]
+    token_rows: np.ndarray  # [T]
+    in_row: np.ndarray  # [T]
+    query_start: np.ndarray  # [R]
+
+    @classmethod
+    def build(cls, kv: PagedKV, sc: Scenario) -> "StepInputs":
+        s, device = kv.shapes, kv.device
+        t = sc.num_tokens
+        token_rows = np.repeat(np.arange(len(sc.scheduled)), sc.scheduled)
+        query_start = np.concatenate([[0], np.cumsum(sc.scheduled)[:-1]]).astype(np.int64)
+        in_row = np.arange(t) - query_start[token_rows]
+        slots = sc.computed[token_rows] + in_row  # physical: nothing evicted before this step
+        mapping = kv.table[token_rows, slots // s.page_size] * s.page_size + slots % s.page_size
+        rand = lambda heads: torch.randn(t, heads * s.head_size, dtype=s.dtype, device=device)  # noqa: E731
+        return cls(query=rand(s.query_heads), key=rand(s.kv_heads), value=rand(s.kv_heads),
+                   slot_mapping=torch.from_numpy(mapping).to(device),
+                   positions=torch.from_numpy(sc.computed[token_rows] + in_row).to(device),
+                   token_rows=token_rows, in_row=in_row, query_start=query_start)
+
+
+class EvictionStep:
+    """The engine's eviction step for one policy (the server's), on ``kv`` with the engine's buffers."""
+
+    def __init__(self, kv: PagedKV, policy: Policy) -> None:
+        s = kv.shapes
+        self.kv, self.policy = kv, policy
+        geometry = Geometry(layers=s.layers, num_pages=kv.num_pages, kv_heads=s.kv_heads, page_size=s.page_size,
+                            query_heads=s.query_heads, head_size=s.head_size, max_rows=s.rows, dtype=s.dtype,
+                            device=kv.device)
+        self.buffers = buffers = EvictionBuffers(geometry)
+        buffers.ensure_policy(policy)
+        for state in buffers.states.values():
+            state.uniform_()  # accumulated attention, value norms: any non-negative values
+        if buffers.ring is not None:
+            buffers.ring.normal_()
+        self.caches = [
+            LayerCache(index=i, k=kv.k, v=kv.v, positions=buffers.positions[i],
+                       state={name: b[i] for name, b in buffers.states.items()},
+                       ring=buffers.ring[i] if buffers.ring is not None else None, scale=s.head_size ** -0.5,
+                       o_proj=kv.o_proj[i] if policy.needs_o_proj else None)
+            for i in range(s.layers)]
+
+    def reset(self, sc: Scenario) -> None:
+        """The cache as it is before ``sc``: every slot's position is its index (no eviction yet), each
+        row's ring holds the queries of its last ``window`` positions."""
+        pages, positions = self.kv.slot_positions()
+        self.buffers.positions[:, pages] = positions.view(1, -1, 1, positions.shape[-1])
+        if self.buffers.ring_positions is not None:
+            window = self.buffers.window
+            latest = torch.from_numpy(sc.computed).to(self.kv.device).view(-1, 1) - window + torch.arange(
+                window, device=self.kv.device)
+            ring = torch.full_like(self.buffers.ring_positions, -1)
+            ring[:-1].scatter_(1, latest.remainder(window), latest.where(latest >= 0, -1))
+            self.buffers.ring_positions.copy_(ring)
+
+    def plan(self, sc: Scenario, inp: StepInputs) -> tuple[StepPlan, list[Policy]]:
+        """``StepBuilder.build`` for this batch: the record of the step's tokens and one ``build_group``
+        per kind of acting rows (evicting, or updating every step). Not included: its fix-up of vLLM's
+        ``seq_lens`` and slot mapping for rows that evicted before (a few ops on [R] and [T] tensors)."""
+        kv, buffers, policy = self.kv, self.buffers, self.policy
+        page = kv.shapes.page_size
+        ring_index = None
+        if buffers.window:
+            rows = np.arange(len(sc.computed), dtype=np.int64)  # each request's ring slot: its row
+            entries = ring_entries(inp.token_rows, rows, inp.in_row, sc.scheduled, sc.computed, buffers.window,
+                                   buffers.trash_row)
+            ring_index = torch.from_numpy(entries).to(kv.device, non_blocking=True)
+        record = Record(pages=inp.slot_mapping // page, offsets=inp.slot_mapping % page,
+                        positions=inp.positions.to(torch.int32), ring_index=ring_index)
+        initializers, zero_states = state_initializers([policy])
+        step = StepPlan(record=record, groups=[], ring_positions=buffers.ring_positions, zero_states=zero_states)
+        lengths = sc.computed + sc.scheduled
+        evicting = sc.keep >= 0
+        acting = evicting | policy.needs_every_step
+        for kind in (False, True):
+            rows = np.nonzero(acting & (evicting == kind))[0]
+            if not len(rows):
+                continue
+            pages = -(-int(lengths[rows].max()) // page)
+            index = torch.from_numpy(rows.astype(np.int64)).to(kv.device, non_blocking=True)
+            table = kv.block_table[:, :pages].index_select(0, index)
+            step.groups.append(build_group(
+                policy, sc.phase, table, page, lengths=lengths[rows], computed=sc.computed[rows],
+                scheduled=sc.scheduled[rows], seed=np.zeros(len(rows), dtype=np.int64),
+                keep=sc.keep[rows] if kind else None, ring_rows=rows if buffers.ring is not None else None,
+                token_starts=inp.query_start[rows]))
+        return step, initializers
+
+    def record(self, plan: StepPlan, initializers: list[Policy], inp: StepInputs) -> None:
+        """The record phase of every layer: ``record_step`` once, then each layer's hook."""
+        record_step(self.buffers.positions, self.buffers.states, plan)
+        for cache in self.caches:
+            record_layer(cache, plan, initializers, inp.query, inp.key, inp.value)
+
+    def evict(self, plan: StepPlan, inp: StepInputs) -> list[Tensor | None]:
+        """The evict phase of layer 0 (every layer runs the same on its own pages)."""
+        s = self.kv.shapes
+        return evict_layer(self.caches[0], plan, tokens_view(inp.query, len(inp.token_rows), s.query_heads,
+                                                              s.head_size))
+
+    def snapshot(self, sc: Scenario) -> Callable[[], None] | None:
+        """A restore of what layer 0's evict phase overwrites in the evicting rows (K, V, positions,
+        states), so that every timed call compacts the same cache; None when nothing is compacted."""
+        rows = np.nonzero(sc.keep >= 0)[0]
+        if not len(rows):
+            return None
+        pages = self.kv.block_table[torch.from_numpy(rows).to(self.kv.device)].long().reshape(-1)
+        tensors = [self.kv.raw, self.buffers.positions[0], *(b[0] for b in self.buffers.states.values())]
+        saved = [t[pages] for t in tensors]  # advanced indexing copies
+
+        def restore() -> None:
+            for t, copy in zip(tensors, saved):
+                t[pages] = copy
+
+        return restore
+
+
+# ---- measurement -----------------------------------------------------------------------------------
+@dataclass
+class KernelRow:
+    case: KernelCase
+    backend: str
+    rows: int
+    bytes: int
+    flops: int
+    us: float | None = None
+
+
+@dataclass
+class StepRow:
+    scenario: str
+    policy: str
+    context: int
+    rows: int
+    evicting: int
+    kept: int  # tokens per head the evicting rows keep (0: none evicts)
+    plan_us: float | None = None
+    record_us: float | None = None  # record_step + record_layer of every layer
+    evict_us: float | None = None  # evict_layer of one layer (None: no group acts)
+    host_us: float | None = None  # host time of launching the whole step
+    attention_us: float | None = None  # the step's attention over every layer (vanilla stand-in)
+    attention_bytes: int = 0  # traffic floor of that attention, every layer
+    layers: int = 1
+    acts: bool = False  # some group acts (evicts or updates): the evict phase runs
+
+    @property
+    def step_us(self) -> float | None:
+        if self.plan_us is None or self.record_us is None:
+            return None
+        return self.plan_us + self.record_us + self.layers * (self.evict_us or 0.0)
+
+
+@dataclass
+class Results:
+    shapes: Shapes
+    measured: bool
+    device: str = UNMEASURED
+    device_type: str = ""  # "cuda" or "cpu" when measured
+    environment: str = ""
+    copy_gbs: float | None = None
+    kernels: list[KernelRow] = field(default_factory=list)
+    steps: list[StepRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    @property
+    def missing(self) -> str:
+        """What a cell without a number says: nothing was measured, or this measurement failed."""
+        return "failed" if self.measured else UNMEASURED
+
+
+def available_backends(device: torch.device) -> tuple[set[str], list[str]]:
+    notes = []
+    backends = {"torch"}
+    if device.type == "cuda" or ops.interpreting():
+        if ops.triton_available():
+            backends.add("triton")
+        else:
+            notes.append("Triton is not installed: no Triton timings.")
+    else:
+        notes.append("Triton kernels skipped: on CPU they run only in the interpreter (set TRITON_INTERPRET=1).")
+    if device.type == "cuda":
+        if ops.cuda_extension() is not None:
+            backends.add("cuda")
+        else:
+            from vllm_evict import csrc
+
+            notes.append(f"CUDA extension unavailable ({csrc.load_error()}): no CUDA-kernel timings.")
+    return backends, notes
+
+
+def kernel_call(case: KernelCase, backend: str, rows: int, kv: PagedKV, positions: Tensor) -> Callable[[], object]:
+    """One ``ops`` call of ``case`` over the first ``rows`` requests of ``kv``."""
+    s, device = kv.shapes, kv.device
+    n = case.context
+    table = kv.block_table[:rows]
+    lengths = torch.full((rows,), n, dtype=torch.int64, device=device)
+    if case.op == "window_mass":
+        queries = torch.randn(rows, s.window, s.query_heads, s.head_size, dtype=s.dtype, device=device)
+        qpos = (n - s.window + torch.arange(s.window, device=device)).expand(rows, -1).contiguous()
+        per_head = case.variant == "per query head"
+        return lambda: ops.window_mass(kv.k, table, lengths, queries, qpos, s.head_size ** -0.5, positions=positions,
+                                       width=n, per_query_head=per_head, backend=backend)
+    if case.op == "keydiff_scores":
+        return lambda: ops.keydiff_scores(kv.k, table, lengths, width=n, backend=backend)
+    if case.op == "output_error":
+        alpha = torch.softmax(torch.randn(rows, s.kv_heads, n, device=device), dim=-1)
+        return lambda: ops.output_error(kv.v, table, lengths, alpha, backend=backend)
+    if case.op == "compact_tokens":
+        kept = n // 2  # the last half of every row: every kept slot moves, each call moves the same
+        keep = torch.arange(n - kept, n, device=device).expand(rows, s.kv_heads, -1).contiguous()
+        counts = torch.full((rows,), kept, dtype=torch.int64, device=device)
+        return lambda: ops.compact_tokens([kv.k, kv.v, positions], table, keep, counts, backend=backend)
+    if case.op == "value_norms":
+        values = torch.randn(s.kv_heads, case.tokens, s.head_size, dtype=s.dtype, device=device)
+        return lambda: ops.value_norms(values, kv.o_proj[0], backend=backend)
+    raise KeyError(case.op)
+
+
+def attempt(res: Results, what: str, fn: Callable[[], object]) -> object | None:
+    """``fn()``, or None with a note when it fails on a GPU: one failed measurement (an out-of-memory, a
+    kernel that refuses a shape) must not lose the others. On CPU (the smoke run) it raises."""
+    try:
+        return fn()
+    except Exception as exc:
+        if res.on_cpu:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        res.notes.append(f"{what} failed: {type(exc).__name__}: {first}")
+        release(res.device_type)
+        return None
+
+
+def measure_kernels(res: Results, kv: PagedKV, timer: Timer, backends: set[str], cases: list[KernelCase]) -> None:
+    s = kv.shapes
+    positions = torch.zeros(kv.num_pages, s.kv_heads, s.page_size, dtype=torch.int32, device=kv.device)
+    pages, slot_pos = kv.slot_positions()
+    positions[pages] = slot_pos.view(-1, 1, s.page_size)
+    for case in cases:
+        for backend in case.backends():
+            if backend not in backends:
+                continue
+            rows = s.torch_rows if backend == "torch" and case.op != "value_norms" else s.rows
+            row = KernelRow(case, backend, rows, kernel_bytes(case, s, rows), kernel_flops(case, s))
+            what = f"{case.op} ({case.variant or 'scores'}, {_ctx(case.context)}, {backend})"
+            t = attempt(res, what, lambda: timer(kernel_call(case, backend, rows, kv, positions)))
+            row.us = t.device_us if isinstance(t, Timing) else None
+            res.kernels.append(row)
+
+
+def attention_call(s: Shapes, context: int, queries: int, device: torch.device) -> tuple[Callable[[], object], str]:
+    """One layer's attention for the step and what it is: ``queries`` per request at the last positions
+    of ``context`` keys (causal, aligned bottom-right), the query heads over the KV heads without
+    repeating K/V (``enable_gqa``); torch SDPA picks its fastest kernel (flash attention on Hopper). Where
+    SDPA refuses GQA, K/V are repeated over the group (slower: the ratios then flatter eviction)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(s.rows, s.query_heads, queries, s.head_size, dtype=s.dtype, device=device)
+    k = torch.randn(s.rows, s.kv_heads, context, s.head_size, dtype=s.dtype, device=device)
+    v = torch.randn_like(k)
+    mask = None if queries == 1 else causal_lower_right(queries, context)  # decode: the query sees every key
+    try:
+        sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        return (lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)), "torch SDPA, GQA"
+    except Exception as exc:  # noqa: BLE001 - whatever SDPA raises, the repeated K/V path is plain attention
+        k, v = k.repeat_interleave(s.group, dim=1), v.repeat_interleave(s.group, dim=1)
+        return (lambda: sdpa(q, k, v, attn_mask=mask)), f"torch SDPA, K/V repeated ({str(exc)[:120]})"
+
+
+def measure_attention(res: Results, kv: PagedKV, timer: Timer, queries: int) -> float | None:
+    """One layer's attention of the step (``queries`` per request) in microseconds."""
+    def run() -> float:
+        fn, how = attention_call(kv.shapes, kv.context, queries, kv.device)
+        label = f"Attention stand-in, {queries} queries per request: {how}."
+        if label not in res.notes:
+            res.notes.append(label)
+        return timer(fn).device_us
+
+    out = attempt(res, f"attention ({queries} queries, {_ctx(kv.context)})", run)
+    release(res.device_type)  # its dense K/V copies
+    return out if isinstance(out, float) else None
+
+
+def measure_step(row: StepRow, step: EvictionStep, sc: Scenario, timer: Timer) -> None:
+    """Fill ``row`` with the timings of one step: plan, record (every layer), evict (layer 0)."""
+    inp = StepInputs.build(step.kv, sc)
+    step.reset(sc)
+    plan_t = timer(lambda: step.plan(sc, inp))
+    plan, initializers = step.plan(sc, inp)
+    record_t = timer(lambda: step.record(plan, initializers, inp))
+    host = plan_t.host_us + record_t.host_us
+    if plan.groups:
+        evict_t = timer(lambda: step.evict(plan, inp), setup=step.snapshot(sc))
+        row.evict_us = evict_t.device_us
+        host += row.layers * evict_t.host_us
+    row.plan_us, row.record_us, row.host_us = plan_t.device_us, record_t.device_us, host
+
+
+def measure_steps(res: Results, kv: PagedKV, timer: Timer, budget: int | None) -> None:
+    s = kv.shapes
+    scenario_list = scenarios(s, kv.context, budget)
+    attention = {q: measure_attention(res, kv, timer, q)
+                 for q in sorted({int(sc.scheduled[0]) for sc in scenario_list})}
+    for spec in POLICIES:
+        policy = EvictionConfig.from_spec(spec, budget=min_budget(scenario_list)).build_policy()
+        step = attempt(res, f"{spec} buffers ({_ctx(kv.context)})", lambda: EvictionStep(kv, policy))
+        for sc in scenario_list:
+            row = scenario_row(s, sc, spec)
+            per_layer = attention[int(sc.scheduled[0])]
+            row.attention_us = None if per_layer is None else s.layers * per_layer
+            if isinstance(step, EvictionStep):
+                attempt(res, f"{spec} step {sc.key} ({_ctx(kv.context)})", lambda: measure_step(row, step, sc, timer))
+            res.steps.append(row)
+        del step
+        release(res.device_type)  # this policy's buffers
+
+
+def min_budget(scenario_list: list[Scenario]) -> int:
+    kept = [int(sc.keep[sc.keep >= 0].min()) for sc in scenario_list if (sc.keep >= 0).any()]
+    return min(kept)
+
+
+def scenario_row(s: Shapes, sc: Scenario, spec: str) -> StepRow:
+    policy = EvictionConfig.from_spec(spec, budget=int(sc.context)).build_policy()
+    acts = sc.evicting > 0 or policy.needs_every_step
+    kept = int(sc.keep.max()) if sc.evicting else 0
+    return StepRow(sc.key, spec, sc.context, len(sc.computed), sc.evicting, kept, layers=s.layers, acts=acts,
+                   attention_bytes=s.layers * attention_bytes(s, sc.context, len(sc.computed), int(sc.scheduled[0])))
+
+
+def release(device_type: str) -> None:
+    """Give the GPU memory of the last measurement back before the next one allocates (a no-op on CPU,
+    where collecting would cost more than the tiny shapes' measurements)."""
+    if device_type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measure(s: Shapes, device: torch.device, reps: int, warmup: int, budget: int | None) -> Results:
+    import triton
+
+    timer = Timer(device, reps, warmup)
+    backends, notes = available_backends(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores visible)"
+    res = Results(shapes=s, measured=True, device=name, device_type=device.type, notes=notes,
+                  environment=f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}")
+    res.copy_gbs = copy_bandwidth(device, timer, (1 << 30) if device.type == "cuda" else (32 << 20))
+    if device.type == "cuda":
+        res.notes.append("Backends the engine step picks (`ops.describe()`): "
+                         + ", ".join(f"{op} {b}" for op, b in ops.describe().items()) + ".")
+    cases = kernel_cases(s)
+    for context in s.contexts:
+        kv = attempt(res, f"the paged cache ({_ctx(context)})", lambda: PagedKV(s, context, device))
+        if not isinstance(kv, PagedKV):
+            continue
+        measure_kernels(res, kv, timer, backends, [c for c in cases if c.context == context])
+        if context == s.contexts[0]:
+            measure_kernels(res, kv, timer, backends, [c for c in cases if c.context == 0])
+        measure_steps(res, kv, timer, budget)
+        del kv
+        release(device.type)
+    return res
+
+
+def skeleton(s: Shapes, budget: int | None) -> Results:
+    """Every row the measurement writes, with the computed byte counts and nothing timed."""
+    res = Results(shapes=s, measured=False)
+    cases = kernel_cases(s)
+    for context in (*s.contexts, 0):
+        for case in (c for c in cases if c.context == context):
+            for backend in case.backends():
+                rows = s.torch_rows if backend == "torch" and case.op != "value_norms" else s.rows
+                res.kernels.append(KernelRow(case, backend, rows, kernel_bytes(case, s, rows), kernel_flops(case, s)))
+    for context in s.contexts:
+        for spec in POLICIES:
+            for sc in scenarios(s, context, budget):
+                res.steps.append(scenario_row(s, sc, spec))
+    return res
+
+
+# ---- the report ------------------------------------------------------------------------------------
+def _ctx(n: int) -> str:
+    return "-" if n == 0 else f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _us(x: float | None, missing: str) -> str:
+    return missing if x is None else f"{x:.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def _num(x: float | None, missing: str = UNMEASURED) -> str:
+    """A size or rate: grouped thousands from 100 up, three significant digits below."""
+    return missing if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _pct(x: float | None, missing: str, digits: int = 1) -> str:
+    return missing if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _verdict(value: float | None, target: float, below: bool, missing: str) -> str:
+    if value is None:
+        return missing
+    return "met" if (value <= target if below else value >= target) else "missed"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def kernel_lines(res: Results) -> list[str]:
+    copy, miss = res.copy_gbs, res.missing
+    memory, compute = [], []
+    for k in res.kernels:
+        c = k.case
+        gbs = None if k.us is None else k.bytes / (k.us * 1e-6) / 1e9
+        frac = None if gbs is None or copy is None else gbs / copy
+        if c.op == "value_norms":
+            tflops = None if k.us is None else k.flops / (k.us * 1e-6) / 1e12
+            compute.append([c.variant, str(c.tokens), k.backend, _us(k.us, miss), _num(k.flops / 1e9),
+                            _num(tflops, miss), _num(k.bytes / 2**20)])
+            continue
+        target = "-" if k.backend == "torch" else _verdict(frac, BANDWIDTH_TARGET, False, miss)
+        memory.append([c.op, c.variant or "-", _ctx(c.context), str(k.rows), k.backend, _us(k.us, miss),
+                       _num(k.bytes / 2**20), _num(gbs, miss), _pct(frac, miss, 0), target])
+    return [
+        "## Kernels (one layer, one call)",
+        "",
+        "Every `vllm_evict.ops` operation at the batch's shapes: `rows` requests, each with `context` candidate "
+        f"slots (window: {res.shapes.window} queries). *MiB moved*: the traffic of the kernel as designed, read + "
+        "written (both passes of a two-pass kernel read the keys or values; `compact_tokens` keeps the last half "
+        "of every row of K, V and positions, so every kept slot moves). *of copy*: achieved GB/s over the copy "
+        f"bandwidth above; target for the compiled kernels >= {BANDWIDTH_TARGET:.0%}. The PyTorch reference "
+        f"gathers K/V densely; it is timed at {res.shapes.torch_rows} rows, for scale only.",
+        "",
+        *_table(["op", "variant", "context", "rows", "backend", "time (us)", "MiB moved", "GB/s", "of copy",
+                 f">= {BANDWIDTH_TARGET:.0%}"], memory),
+        "",
+        "`value_norms` (CriticalKV's nu of the step's new tokens) multiplies them by the layer's output projection: "
+        "compute-bound, so it is given in TFLOP/s.",
+        "",
+        *_table(["value_norms", "tokens", "backend", "time (us)", "GFLOP", "TFLOP/s", "MiB moved"], compute),
+        "",
+    ]
+
+
+def step_lines(res: Results) -> list[str]:
+    s = res.shapes
+    copy, miss = res.copy_gbs, res.missing
+    out = [
+        "## The engine's eviction step",
+        "",
+        f"Per step, over all {s.layers} layers: *plan* builds the `StepPlan` (the record of the step's tokens, "
+        "`build_group` for the acting rows; host arrays, a few host-to-device copies); *record* is `record_step` "
+        f"plus `record_layer` in each of the {s.layers} layers (positions, zeroed and computed per-token state, "
+        "the query ring); *evict* is `evict_layer` in one layer, scoring and compacting (or, for h2o, updating "
+        f"the accumulated attention of) the acting rows; *step* = plan + record + {s.layers} x evict. *host*: the "
+        "time the Python calls of the whole step take to launch it (on a GPU, work queues behind it; on the "
+        "critical path when the device is idle). *attention*: torch SDPA of the same step over the same "
+        f"contexts ({s.layers} layers), the stand-in for vanilla vLLM's step. The real step also runs the "
+        "projections, MLP and sampling (more time), while vLLM's own attention kernel may beat SDPA's (less); "
+        "so for decode steps *step / floor* also compares the step with the least time any decode attention "
+        "can take: its K/V bytes at the copy bandwidth.",
+        "",
+        "Every layer's `LayerCache` has its own positions, states and ring (the engine's `EvictionBuffers`, "
+        f"sized for {s.rows} rows), and shares one layer's K/V pages; layer 0's evict phase is timed on a cache "
+        "restored before every call, and scaled to all layers.",
+        "",
+    ]
+    for key, title in SCENARIO_TITLES.items():
+        rows = [r for r in res.steps if r.scenario == key]
+        if not rows:
+            continue
+        out += [f"### {title}", ""]
+        if key == "decode":
+            out += [f"Target: the record phase of a decode step <= {RECORD_TARGET:.0%} of vanilla's step. h2o is "
+                    "not only recorded: its accumulated attention is updated on every step (the evict column), "
+                    "so it is held to no target here.", ""]
+        elif key == "chunk":
+            out += [f"Each of the {s.rows} requests adds a {s.chunk}-token chunk at the end of its context and keeps "
+                    "*kept* tokens per head (by default its context minus the chunk: a chunked-prefill request whose "
+                    "cache was full, or the last chunk of a one-shot policy's prompt). Target: the whole eviction "
+                    f"step <= {CHUNK_TARGET:.0%} of the chunk's attention. h2o adds the chunk's full attention to "
+                    "its state, an attention-sized pass.", ""]
+        else:
+            out += [f"{s.evicting_rows} of {s.rows} requests are at their budget + one page and evict it; the "
+                    "others only record.", ""]
+        header = ["policy", "context", "evicting", "kept", "plan (us)", f"record, {s.layers} layers (us)",
+                  "evict, 1 layer (us)", "step (us)", "host (us)", f"attention, {s.layers} layers (us)",
+                  "step / attention"]
+        if key != "chunk":
+            header.append("step / floor")
+        header.append("target")
+        table = []
+        for r in rows:
+            ratio = None if r.step_us is None or r.attention_us is None else r.step_us / r.attention_us
+            cells = [r.policy, _ctx(r.context), f"{r.evicting} of {r.rows}", f"{r.kept:,}" if r.kept else "-",
+                     _us(r.plan_us, miss),
+                     _us(r.record_us, miss), _us(r.evict_us, miss) if r.acts else "-", _us(r.step_us, miss),
+                     _us(r.host_us, miss), _us(r.attention_us, miss), _pct(ratio, miss, 2)]
+            if key != "chunk":
+                floor_us = None if copy is None else r.attention_bytes / (copy * 1e9) * 1e6
+                cells.append(_pct(None if r.step_us is None or floor_us is None else r.step_us / floor_us, miss, 2))
+            if key == "decode":
+                cells.append("-" if r.acts else _verdict(ratio, RECORD_TARGET, True, miss))
+            elif key == "chunk":
+                cells.append(_verdict(ratio, CHUNK_TARGET, True, miss))
+            else:
+                cells.append("-")
+            table.append(cells)
+        out += [*_table(header, table), ""]
     return out
 
 
-def measure(args) -> tuple[str, float, list[Row], list[list[str]], dict[str, str]]:
-    from vllm_evict import csrc
-
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    peak = peak_bandwidth(device)
-    rows: list[Row] = []
-    best: dict[tuple[str, int, int], tuple[float, str]] = {}
-    wins: dict[str, dict[str, float]] = {op: {} for op in KERNEL_OPS}
-    cost_rows: list[list[str]] = []
-    cuda_ok = csrc.load_extension() is not None
-    if not cuda_ok:
-        print(f"CUDA extension unavailable ({csrc.load_error()}); timing Triton only", file=sys.stderr)
-    for context in args.contexts:
-        case = Case(context, device)
-        attention_ms = _time_ms(case.attention())
-        topk_ms = {b: _time_ms(case.topk(b)) for b in args.budgets if b < context}
-        for op in KERNEL_OPS:
-            budgets = [b for b in args.budgets if b < context] if op == "compact_tokens" else [None]
-            for budget in budgets:
-                for backend in backends_for(op):
-                    if backend == "cuda" and not cuda_ok:
-                        continue
-                    ms = _time_ms(case.call(op, backend, budget or 0))
-                    rows.append(Row(op, backend, context, budget, ms, op_bytes(op, context, budget or 0), peak))
-                    key = (op, context, budget or 0)
-                    if key not in best or ms < best[key][0]:
-                        best[key] = (ms, backend)
-                    wins[op][backend] = wins[op].get(backend, 0.0) + ms
-        for budget in [b for b in args.budgets if b < context]:
-            compact_ms = best[("compact_tokens", context, budget)][0]
-            for policy, parts in POLICIES.items():
-                ms = sum(best[(p, context, 0)][0] for p in parts) + topk_ms[budget] + compact_ms
-                engine_ms = _time_ms(case.engine_step(policy, budget), reps=10)
-                cost_rows.append([policy, _k(context), _k(budget), f"{ms * 1e3:.0f}", f"{engine_ms * 1e3:.0f}",
-                                  f"{attention_ms * 1e3:.0f}", f"{100 * ms / attention_ms:.1f}%",
-                                  f"{100 * engine_ms / attention_ms:.1f}%", f"{LAYERS * engine_ms:.2f}"])
-        del case
-        torch.cuda.empty_cache()
-    preference = {op: min(t, key=t.get) for op, t in wins.items() if t}
-    return name, peak, rows, cost_rows, preference
+def preference_lines(res: Results) -> list[str]:
+    """The faster compiled backend of each op (group-sum window_mass: the variant CUDA takes), summed over
+    the contexts."""
+    out = ["## Backend preference", ""]
+    if not res.measured:
+        return out + [f"{UNMEASURED}. Until measured: CUDA for compact_tokens and window_mass (when the extension "
+                      "builds), Triton for the others (`vllm_evict.ops.DEFAULT_PREFERENCE`)."]
+    if res.on_cpu:
+        return out + ["Not derived from a CPU run (there the Triton kernels run in the interpreter)."]
+    totals: dict[str, dict[str, float]] = {}
+    for k in res.kernels:
+        if k.backend != "torch" and k.us is not None and k.case.variant != "per query head":
+            totals.setdefault(k.case.op, {}).setdefault(k.backend, 0.0)
+            totals[k.case.op][k.backend] += k.us
+    best = {op: min(t, key=t.get) for op, t in totals.items()}
+    spec = ",".join(f"{op}={b}" for op, b in best.items())
+    return out + [*_table(["op", "faster backend (summed over contexts)"], [[op, b] for op, b in best.items()]), "",
+                  f"Apply with `VLLM_EVICT_KERNELS=\"{spec}\"` or `vllm_evict.ops.set_preference`."]
 
 
-def skeleton(args) -> tuple[list[Row], list[list[str]]]:
-    rows = []
-    for context in args.contexts:
-        for op in KERNEL_OPS:
-            budgets = [b for b in args.budgets if b < context] if op == "compact_tokens" else [None]
-            for budget in budgets:
-                for backend in backends_for(op):
-                    rows.append(Row(op, backend, context, budget, None, op_bytes(op, context, budget or 0), None))
-    cost_rows = [[policy, _k(c), _k(b), *[UNMEASURED] * 6]
-                 for c in args.contexts for b in args.budgets if b < c for policy in POLICIES]
-    return rows, cost_rows
-
-
-def report(args, gpu: str, peak: float | None, rows: list[Row], cost_rows: list[list[str]],
-           preference: dict[str, str] | None) -> str:
-    import triton
-
-    peak_s = f"{peak:.0f} GB/s (device-to-device copy of 1 GiB, read + write)" if peak else UNMEASURED
-    lines = [
-        "# Eviction kernels: benchmark",
-        "",
-        f"Produced by `{COMMAND}` (benchmarks/kernels.py). Never edit the numbers by hand.",
-        "",
-        *([f"This is the skeleton written by `--dry-run`: nothing has been measured yet (no GPU in this task). "
-           f"Every time, bandwidth and ratio is a target to fill by running `{COMMAND}` on a machine with a "
-           "CUDA GPU; only the byte counts are computed (from the shapes), not measured.", ""] if peak is None else []),
-        f"- GPU: {gpu}",
-        f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}",
-        f"- peak bandwidth: {peak_s}",
-        f"- shapes: Llama-3.1-8B, {LAYERS} layers, {H_KV} KV heads, {H_Q} query heads, head_dim {D}, hidden {HIDDEN}, "
-        f"bf16, block size {BLOCK_SIZE}, NHD (FLASH_ATTN) views, shuffled pages, one request; "
-        f"observation window {WINDOW} queries; prefill chunk {CHUNK}.",
-        "- bytes: the minimum traffic of the operation for one layer (read + written); "
-        "`compact_tokens` counts K and V as if every kept slot moved.",
-        "",
-        "## Per-kernel time (one layer)",
-        "",
-        _table(["op", "backend", "context", "budget", "time (us)", "MiB moved", "GB/s", "of peak"],
-               [r.cells() for r in rows]),
-        "",
-        "## Eviction cost per 2k prefill chunk, next to that chunk's attention",
-        "",
-        "One layer, against torch SDPA of a 2k-query chunk over the context's keys. *ops*: the policy's "
-        "score op(s) on their fastest backend, top-k and compaction to the budget, timed apart and added up. "
-        "*engine step*: what the model runner runs, `policy.step` with the paged score kernels "
-        "(vllm_evict/engine/paged_kernels.py, default backend choice) plus compaction of K, V and positions, "
-        f"timed as one. The last column is the engine step summed over {LAYERS} layers.",
-        "",
-        _table(["policy", "context", "budget", "ops (us)", "engine step (us)", "chunk attention (us)",
-                "ops / attention", "engine step / attention", f"engine step x {LAYERS} layers (ms)"], cost_rows),
-        "",
-        "## Backend preference implied by these timings",
-        "",
-    ]
-    if preference:
-        lines.append(_table(["op", "faster backend"], [[op, b] for op, b in preference.items()]))
-        spec = ",".join(f"{op}={b}" for op, b in preference.items())
-        lines += ["", f"Apply with `VLLM_EVICT_KERNELS=\"{spec}\"` or `vllm_evict.ops.set_preference`."]
+def render(res: Results, command: str) -> str:
+    s = res.shapes
+    if res.measured:
+        status = [f"Measured with `{command}`. Do not edit the numbers by hand: run the command again."]
+        if res.on_cpu:
+            status.append("This is a CPU smoke run on tiny shapes: it checks the code path, its times say nothing "
+                          "about a GPU.")
     else:
-        lines.append(f"{UNMEASURED}. Defaults until measured: CUDA for compact_tokens and window_attention_mass "
-                     "(when the extension builds), Triton for the others.")
+        status = [f"**Unmeasured.** No GPU was available to produce this file, so it is the skeleton that "
+                  f"`{DRY_RUN_COMMAND}` writes: every time, bandwidth and ratio reads `{UNMEASURED}`; only the "
+                  "byte and FLOP counts, which follow from the shapes, are filled in. To measure, run "
+                  f"`{GPU_COMMAND}` from the repository root on a machine with one CUDA GPU (written for an 80 GB "
+                  "H100: the 32k cases hold a few copies of one layer's 8 GiB of K/V) after `make install`, which "
+                  "installs `vllm==0.33.0` there; it rewrites this file with the figures."]
+    commands = [(GPU_COMMAND, "on a CUDA GPU: measure, write docs/benchmarks/kernels.md"),
+                (DRY_RUN_COMMAND, "the skeleton, without a GPU"), (SMOKE_COMMAND, "CPU smoke run, tiny shapes")]
+    width = max(len(cmd) for cmd, _ in commands)
+    lines = [
+        "# Eviction kernels and the eviction step on a GPU",
+        "",
+        *status,
+        "",
+        "```bash",
+        *(f"{cmd:<{width}}  # {what}" for cmd, what in commands),
+        "```",
+        "",
+        "## Set-up",
+        "",
+        f"- device: {res.device}" + (f"; {res.environment}" if res.environment else ""),
+        "- copy bandwidth: " + (res.missing if res.copy_gbs is None else
+                                f"{res.copy_gbs:,.0f} GB/s (device-to-device copy, read + write counted)"),
+        f"- shapes: {s.name}, {s.layers} layers, {s.kv_heads} KV heads, {s.query_heads} query heads, head size "
+        f"{s.head_size}, hidden {s.hidden}, {str(s.dtype).replace('torch.', '')}, pages of {s.page_size} tokens "
+        f"(FLASH_ATTN layout, shuffled); {s.rows} requests; contexts "
+        f"{', '.join(_ctx(c) for c in s.contexts)}; prefill chunk {s.chunk}",
+        "- times: median of the timed calls; on a GPU, CUDA events around the calls (host gaps included)",
+        *(f"- {note}" for note in res.notes),
+        "",
+        *kernel_lines(res),
+        *step_lines(res),
+        *preference_lines(res),
+    ]
     return "\n".join(lines) + "\n"
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def python_command() -> str:
+    """This interpreter as the report's command should name it: relative to the checkout when it is the
+    project's environment."""
+    try:
+        return str(Path(sys.executable).relative_to(ROOT))
+    except ValueError:
+        return "python"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "kernels.md")
-    parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=list(CONTEXTS))
-    parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=list(BUDGETS))
-    parser.add_argument("--dry-run", action="store_true",
-                        help="write the report skeleton with every measurement marked unmeasured (no GPU needed)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"report file (default: {DEFAULT_OUT.relative_to(ROOT)}; --small: stdout)")
+    parser.add_argument("--dry-run", action="store_true", help="write the skeleton: nothing measured")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where to measure (cuda)")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a smoke run of the code path)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="tokens kept per head in scenario (b) (default: the context minus the chunk)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per measurement (10; --small: 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (2; --small: 1)")
     args = parser.parse_args(argv)
+    shapes = SMALL if args.small else LLAMA_8B
+    if args.budget is not None and not 0 < args.budget < min(shapes.contexts) - shapes.chunk + 1:
+        parser.error(f"--budget must be between 1 and {min(shapes.contexts) - shapes.chunk} (the smallest context "
+                     "minus the chunk), or left out")
+    for spec in POLICIES if args.budget is not None else ():
+        try:
+            EvictionConfig.from_spec(spec, budget=args.budget).build_policy()
+        except ValueError as exc:
+            parser.error(f"--budget {args.budget} does not suit {spec}: {exc}")
     if args.dry_run:
-        rows, cost_rows = skeleton(args)
-        text = report(args, UNMEASURED, None, rows, cost_rows, None)
+        text = render(skeleton(shapes, args.budget), DRY_RUN_COMMAND)
     else:
-        if not torch.cuda.is_available():
-            print("benchmarks/kernels.py measures GPU kernels and needs a CUDA device; none is visible here "
-                  f"(torch {torch.__version__}). Run it on a GPU machine: {COMMAND}\n"
-                  "(--dry-run writes the report skeleton without measuring.)", file=sys.stderr)
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print(f"benchmarks/kernels.py measures on a CUDA GPU and none is visible here (torch {torch.__version__})."
+                  f" On a GPU machine run: {GPU_COMMAND}\n(--dry-run writes the skeleton; --device cpu --small "
+                  "runs the code path on tiny shapes.)", file=sys.stderr)
             return 2
-        os.environ.pop("TRITON_INTERPRET", None)
-        gpu, peak, rows, cost_rows, preference = measure(args)
-        text = report(args, gpu, peak, rows, cost_rows, preference)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+        if device.type == "cpu" and not args.small:
+            parser.error("--device cpu needs --small: the full shapes need tens of GB of accelerator memory")
+        if device.type == "cuda":
+            os.environ.pop("TRITON_INTERPRET", None)
+        reps = args.reps or (1 if args.small else 10)
+        warmup = args.warmup if args.warmup is not None else (1 if args.small else 2)
+        command = " ".join([python_command(), "benchmarks/kernels.py", *(argv if argv is not None else sys.argv[1:])])
+        if device.type == "cpu" and ops.interpreting():
+            command = "TRITON_INTERPRET=1 " + command
+        text = render(measure(shapes, device, reps, warmup, args.budget), command)
+    out = args.out if args.out is not None else (None if args.small else DEFAULT_OUT)
+    if out is None:
+        sys.stdout.write(text)
+        return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
     return 0
 
 
