@@ -335,7 +335,7 @@ class EvictionStep:
             latest = torch.from_numpy(sc.computed).to(self.kv.device).view(-1, 1) - window + torch.arange(
                 window, device=self.kv.device)
             ring = torch.full_like(self.buffers.ring_positions, -1)
-            ring[:-1].scatter_(1, latest.remainder(window), latest.where(latest >= 0, -1))
+            ring.scatter_(1, latest.remainder(window), latest.where(latest >= 0, -1))
             self.buffers.ring_positions.copy_(ring)
 
     def plan(self, sc: Scenario, inp: StepInputs) -> tuple[StepPlan, list[Policy]]:
@@ -344,14 +344,16 @@ class EvictionStep:
         ``seq_lens`` and slot mapping for rows that evicted before (a few ops on [R] and [T] tensors)."""
         kv, buffers, policy = self.kv, self.buffers, self.policy
         page = kv.shapes.page_size
-        ring_index = None
+        ring_index = ring_tokens = None
         if buffers.window:
             rows = np.arange(len(sc.computed), dtype=np.int64)  # each request's ring slot: its row
-            entries = ring_entries(inp.token_rows, rows, inp.in_row, sc.scheduled, sc.computed, buffers.window,
-                                   buffers.trash_row)
+            entries, tokens = ring_entries(inp.token_rows, rows, inp.in_row, sc.scheduled, sc.computed,
+                                           buffers.window)
             ring_index = torch.from_numpy(entries).to(kv.device, non_blocking=True)
+            if tokens is not None:
+                ring_tokens = torch.from_numpy(tokens).to(kv.device, non_blocking=True)
         record = Record(pages=inp.slot_mapping // page, offsets=inp.slot_mapping % page,
-                        positions=inp.positions.to(torch.int32), ring_index=ring_index)
+                        positions=inp.positions.to(torch.int32), ring_index=ring_index, ring_tokens=ring_tokens)
         initializers, zero_states = state_initializers([policy])
         step = StepPlan(record=record, groups=[], ring_positions=buffers.ring_positions, zero_states=zero_states)
         lengths = sc.computed + sc.scheduled

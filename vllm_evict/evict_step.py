@@ -44,7 +44,7 @@ class LayerCache:
     v: Tensor  # [num_pages, H_kv, bs, d] view of the V cache
     positions: Tensor  # int32 [num_pages, H_kv, bs]: logical position of every slot
     state: dict[str, Tensor]  # fp32 [num_pages, H_kv, bs] per state name
-    ring: Tensor | None  # [rows + 1, W, H_q, d] recent queries of each row (last row: trash)
+    ring: Tensor | None  # [slots, W, H_q, d] recent queries of each request (its ring slot)
     scale: float  # the attention's softmax scale
     o_proj: Tensor | None = None  # [hidden, H_q * d] this rank's output projection, when a policy needs it
     head_offset: int = 0  # global index of this rank's first KV head
@@ -67,14 +67,14 @@ class LayerCache:
         return DispatchedScoreOps(self.shard) if self.shard is not None else DISPATCHED
 
     @property
-    def ring_entries(self) -> Tensor | None:
-        """The ring as [(rows + 1) * W, H_q, d] (entry row * W + position % W), computed once per ring."""
+    def ring_flat(self) -> Tensor | None:
+        """The ring as [slots * W, H_q, d] (entry slot * W + position % W), computed once per ring."""
         ring = self.ring
         if ring is None:
             return None
-        cached = self.__dict__.get("_ring_entries")
+        cached = self.__dict__.get("_ring_flat")
         if cached is None or cached[0] is not ring:
-            cached = self.__dict__["_ring_entries"] = (ring, ring.view(-1, *ring.shape[2:]))
+            cached = self.__dict__["_ring_flat"] = (ring, ring.view(-1, *ring.shape[2:]))
         return cached[1]
 
 
@@ -85,7 +85,8 @@ class Record:
     pages: Tensor  # int64 [T]: page of each token's slot
     offsets: Tensor  # int64 [T]: offset inside the page
     positions: Tensor  # int32 [T]: logical position
-    ring_index: Tensor | None  # int64 [T]: flat entry row * W + position % W, or the trash row
+    ring_index: Tensor | None  # int64 [T'] flat ring entry (slot * W + position % W) of each token written
+    ring_tokens: Tensor | None = None  # int64 [T']: the tokens written to the ring (None: all T of them)
 
 
 @dataclass
@@ -116,21 +117,26 @@ class Group:
 class StepPlan:
     record: Record
     groups: list[Group]
-    ring_positions: Tensor | None  # int64 [rows + 1, W]: position of each ring entry, -1 when empty
+    ring_positions: Tensor | None  # int64 [slots, W]: position of each ring entry, -1 when empty
     zero_states: tuple[str, ...] = ()  # states that start at 0 (written for all layers by record_step)
 
 
 # ---- building a step (host side, once per step) ---------------------------------------------------
 def ring_entries(token_rows: np.ndarray, slots: np.ndarray, in_row: np.ndarray, counts: np.ndarray,
-                 computed: np.ndarray, window: int, trash_row: int) -> np.ndarray:
-    """Flat ring entry of each of the step's tokens: slot * W + position % W for the last W tokens of
-    each row (earlier ones would be overwritten in the same write), the trash slot otherwise.
+                 computed: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(flat ring entries, tokens): the last W tokens of each row go to slot * W + position % W (earlier
+    ones would be overwritten in the same write, so they are not written at all); ``tokens`` lists the
+    tokens written, or is None when that is every token (a decode step).
 
     token_rows, in_row [T]: each token's row and index within the row's tokens of this step;
     slots, counts, computed [rows]: each row's ring slot, tokens this step and logical tokens before it."""
     position = computed[token_rows] + in_row
     recent = in_row >= counts[token_rows] - window
-    return np.where(recent, slots[token_rows], trash_row) * window + position % window
+    entries = slots[token_rows] * window + position % window
+    if recent.all():
+        return entries, None
+    tokens = np.nonzero(recent)[0]
+    return entries[tokens], tokens
 
 
 def step_token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -185,7 +191,8 @@ def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) ->
     for name in plan.zero_states:
         states[name][:, rec.pages, :, rec.offsets] = 0.0
     if plan.ring_positions is not None and rec.ring_index is not None:
-        plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, rec.positions.long())
+        written = rec.positions if rec.ring_tokens is None else rec.positions.index_select(0, rec.ring_tokens)
+        plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, written.long())
 
 
 def tokens_view(x: Tensor, num_tokens: int, heads: int, head_size: int) -> Tensor:
@@ -202,9 +209,11 @@ def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], 
     attention's own inputs (``tokens_view`` shapes them); the common case costs one tensor operation."""
     rec = plan.record
     num_tokens = rec.pages.shape[0]
-    ring = cache.ring_entries
+    ring = cache.ring_flat
     if ring is not None and rec.ring_index is not None:
         q = tokens_view(query, num_tokens, ring.shape[1], ring.shape[2])
+        if rec.ring_tokens is not None:  # a prefill chunk: only each request's last W tokens
+            q = q.index_select(0, rec.ring_tokens)
         ring.index_copy_(0, rec.ring_index, q if q.dtype == ring.dtype else q.to(ring.dtype))
     if not initializers:
         return

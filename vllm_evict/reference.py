@@ -118,11 +118,13 @@ class _Run:
         pages = self.block_table[0, slots // PAGE_SIZE]
         ring_index = None
         if self.window:
-            entries = ring_entries(np.zeros(num_new, dtype=np.int64), np.zeros(1, dtype=np.int64), np.arange(num_new),
-                                   np.array([num_new]), np.array([self.tokens_before]), self.window, trash_row=1)
+            entries, tokens = ring_entries(np.zeros(num_new, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                                           np.arange(num_new), np.array([num_new]), np.array([self.tokens_before]),
+                                           self.window)
             ring_index = torch.from_numpy(entries).to(self.device)
+            ring_tokens = torch.from_numpy(tokens).to(self.device) if tokens is not None else None
         record = Record(pages=pages, offsets=slots % PAGE_SIZE, positions=positions.to(POSITION_DTYPE),
-                        ring_index=ring_index)
+                        ring_index=ring_index, ring_tokens=ring_tokens if self.window else None)
         self.plan = StepPlan(record=record, groups=[], ring_positions=self.ring_positions,
                              zero_states=self.zero_states)
         self.keep = None

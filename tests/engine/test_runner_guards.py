@@ -125,7 +125,7 @@ def test_eviction_buffers_are_counted_in_the_kv_memory(tiny_llama, engine_factor
     runner = evicting.runner
     layers, kv_heads, head_size, query_heads = 2, 2, 32, 4  # the tiny Llama
     rows, window, block = runner.scheduler_config.max_num_seqs, 32, runner.cache_config.block_size
-    ring = (rows + 1) * window * (layers * query_heads * head_size * 4 + 8)
+    ring = rows * window * (layers * query_heads * head_size * 4 + 8)
     kv_per_token = layers * kv_heads * head_size * 2 * 4
     ours_per_token = layers * kv_heads * (4 + 4 * 3)
     expected_bytes = int((pages * PAGE_BYTES_TINY - ring) * kv_per_token / (kv_per_token + ours_per_token))

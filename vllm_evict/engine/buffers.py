@@ -4,10 +4,9 @@
   logical while compaction moves tokens to other slots);
 - ``states[name]`` fp32 [L, num_pages, H_kv, bs]: per-token policy state (H2O's accumulated
   attention, CriticalKV's projected value norms, ...), paged exactly like K and V;
-- ``ring`` [L, slots + 1, W, H_q, d] (model dtype): the last W queries of every running request, one
-  slot each (engine/rows.py hands them out), for policies with an observation window, and
-  ``ring_positions`` int64 [slots + 1, W] (-1: empty). The extra slot is a trash slot for tokens that
-  must not land in any request's window.
+- ``ring`` [L, slots, W, H_q, d] (model dtype): the last W queries of every running request, one slot
+  each (engine/rows.py hands them out), for policies with an observation window, and
+  ``ring_positions`` int64 [slots, W] (-1: empty).
 
 One tensor across layers, so that what is the same for every layer (a new token's position, a state
 that starts at 0) is written once per step. ``token_bytes`` / ``ring_bytes`` let the worker count
@@ -49,8 +48,8 @@ def token_bytes(layers: int, kv_heads: int, num_states: int) -> int:
 
 
 def ring_bytes(layers: int, rows: int, window: int, query_heads: int, head_size: int, element: int) -> int:
-    """Bytes of a ``window``-query ring for ``rows`` input-batch rows (plus the trash row) and its positions."""
-    return (rows + 1) * window * (layers * query_heads * head_size * element + 8)
+    """Bytes of a ``window``-query ring for ``rows`` requests and its positions."""
+    return rows * window * (layers * query_heads * head_size * element + 8)
 
 
 class EvictionBuffers:
@@ -62,10 +61,6 @@ class EvictionBuffers:
         self.window = 0
         self.ring: Tensor | None = None
         self.ring_positions: Tensor | None = None
-
-    @property
-    def trash_row(self) -> int:
-        return self.geometry.max_rows
 
     def ensure_policy(self, policy: Policy) -> bool:
         """Allocate what ``policy`` needs (its states, a ring as wide as its window); True if anything new."""
@@ -86,12 +81,12 @@ class EvictionBuffers:
         """A wider ring (a request with a wider window arrived); every stored query moves to its entry
         in the new ring (position % W), so running requests keep their windows."""
         g = self.geometry
-        ring = torch.zeros(g.layers, g.max_rows + 1, window, g.query_heads, g.head_size, dtype=g.dtype,
+        ring = torch.zeros(g.layers, g.max_rows, window, g.query_heads, g.head_size, dtype=g.dtype,
                            device=g.device)
-        positions = torch.full((g.max_rows + 1, window), EMPTY, dtype=torch.int64, device=g.device)
+        positions = torch.full((g.max_rows, window), EMPTY, dtype=torch.int64, device=g.device)
         if self.ring is not None and self.ring_positions is not None:
             old = self.ring_positions
-            rows = torch.arange(g.max_rows + 1, device=g.device).view(-1, 1).expand_as(old)
+            rows = torch.arange(g.max_rows, device=g.device).view(-1, 1).expand_as(old)
             stored = old >= 0
             target = (rows * window + old.remainder(window))[stored]
             ring.view(g.layers, -1, g.query_heads, g.head_size)[:, target] = self.ring[:, stored]

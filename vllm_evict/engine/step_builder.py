@@ -128,14 +128,17 @@ class StepBuilder:
     def _record(self, runner: Any, num_reqs: int, num_tokens: int, computed: np.ndarray,
                 scheduled: np.ndarray) -> Record:
         slots = runner.input_batch.block_table[0].slot_mapping.gpu[:num_tokens]
-        ring_index = None
+        ring_index = ring_tokens = None
         if self.buffers.window:
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
-            entries = ring_entries(token_rows, self.rows.slot[:num_reqs], runner.query_pos.np[:num_tokens],
-                                   scheduled, computed, self.buffers.window, self.buffers.trash_row)
+            entries, tokens = ring_entries(token_rows, self.rows.slot[:num_reqs], runner.query_pos.np[:num_tokens],
+                                           scheduled, computed, self.buffers.window)
             ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
+            if tokens is not None:
+                ring_tokens = torch.from_numpy(tokens).to(self.device, non_blocking=True)
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
-                      positions=runner.positions[:num_tokens].to(torch.int32), ring_index=ring_index)
+                      positions=runner.positions[:num_tokens].to(torch.int32), ring_index=ring_index,
+                      ring_tokens=ring_tokens)
 
     def _group(self, runner: Any, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray) -> Group:
