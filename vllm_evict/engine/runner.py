@@ -25,6 +25,7 @@ from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.layout import KVViews, probe_kv_layout
 from vllm_evict.engine.paged_kernels import PagedScoreKernels
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan, RequestStep
+from vllm_evict.engine.step_timer import StepTimer  # [metrics]
 from vllm_evict.policies.base import Deferred, EvictionInputs, Policy
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
@@ -74,6 +75,9 @@ class EvictionWorkerState:
         for key in [k for k in self.windows if k[0] == request_id]:
             del self.windows[key]
 
+    def request_ids(self) -> set[str]:  # [metrics] reported as a gauge: must be empty once the server is idle
+        return {*self.evicted, *self.compacted, *self.last_step, *(key[0] for key in self.windows)}
+
 
 class EvictRunnerMixin:
     """Put in front of vLLM's GPUModelRunner (or CPUModelRunner) by class swap, see worker.py."""
@@ -87,6 +91,7 @@ class EvictRunnerMixin:
         self.evict_state_buffers: dict[str, dict[str, Tensor]] = {}
         self.evict_layout = ""
         self.evict_o_proj: dict[str, Tensor] = {}  # layer name -> output projection weight
+        self.evict_timer = StepTimer(self.device)  # type: ignore[attr-defined]  # [metrics] eviction time per step
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
@@ -114,7 +119,8 @@ class EvictRunnerMixin:
                                attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             if self.evict_batch and attn_metadata is not None:
-                self._evict_layer(layer_name, module, query, key, value, kv_cache)
+                with self.evict_timer:  # [metrics]
+                    self._evict_layer(layer_name, module, query, key, value, kv_cache)
             return result
 
         return forward_then_evict

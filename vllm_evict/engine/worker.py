@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_evict.engine.runner import EvictRunnerMixin
+from vllm_evict.engine.stats import WorkerReport, attach_worker_report
 
 _RUNNER_CLASSES: dict[type, type] = {}
 
@@ -25,6 +26,18 @@ def install_runner_mixin(worker: Any) -> None:
     runner.evict_init()
 
 
+def report_step(worker: Any, output: Any) -> Any:
+    """The step's output with the worker's eviction report (time spent evicting, requests with state),
+    for the scheduler's metrics. vLLM returns the output from execute_model or, when that returns None,
+    from sample_tokens; the time accumulates until an output carries it."""
+    if output is None:
+        return None
+    runner = worker.model_runner
+    report = WorkerReport(eviction_seconds=runner.evict_timer.take(),
+                          tracked_requests=len(runner.evict_state.request_ids()))
+    return attach_worker_report(output, report)
+
+
 def _worker_class(base_path: str) -> type:
     module, name = base_path.rsplit(".", 1)
     base = getattr(__import__(module, fromlist=[name]), name)
@@ -33,7 +46,14 @@ def _worker_class(base_path: str) -> type:
         base.init_device(self)
         install_runner_mixin(self)
 
-    return type("Evict" + name, (base,), {"init_device": init_device, "__module__": __name__})
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return report_step(self, base.execute_model(self, *args, **kwargs))
+
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return report_step(self, base.sample_tokens(self, *args, **kwargs))
+
+    return type("Evict" + name, (base,), {"init_device": init_device, "execute_model": execute_model,
+                                          "sample_tokens": sample_tokens, "__module__": __name__})
 
 
 def __getattr__(name: str) -> type:
