@@ -56,10 +56,11 @@ async def _watch(results: AsyncIterator[Any], finished: dict[int, dict[str, Any]
     async for item in results:
         prompt_index, output = item if choices_per_prompt is not None else (0, item)
         params = output.kv_transfer_params
-        if isinstance(params, dict) and KEY in params:
-            for completion in output.outputs:
-                if completion.finish_reason is not None:
-                    finished[completion.index + prompt_index * (choices_per_prompt or 1)] = params
+        done = [c.index for c in output.outputs if c.finish_reason is not None]
+        # With n > 1, vLLM may merge several choices' outputs into one, with the kv_transfer_params of
+        # the last: they belong to a choice only when it is the only one finishing in this output.
+        if isinstance(params, dict) and KEY in params and len(done) == 1:
+            finished[done[0] + prompt_index * (choices_per_prompt or 1)] = params
         yield item
 
 
