@@ -167,7 +167,7 @@ class EvictionStatLogger(PrometheusStatLogger):
                                         classes, EvictionConfig.from_mapping(mapping).policy)
         _frontend = self.eviction
         if self.installs_openai_hooks:
-            from vllm_evict.openai_stats import install
+            from vllm_evict.openai_server import install
 
             install()
 

@@ -4,7 +4,7 @@ The engine core reports them in the request's ``kv_transfer_params`` under the k
 that dict is the one free-form, per-request field vLLM carries from the engine core to the output
 processor (``EngineCoreOutput.kv_transfer_params``), onto ``RequestOutput.kv_transfer_params``, and into
 the OpenAI responses (top level of the body; vLLM 0.33 also puts it on the final streamed chunk, and
-``vllm_evict.openai_stats`` does the same on 0.32). See docs/observability.md.
+``vllm_evict.openai_server`` does the same on 0.32). See docs/observability.md.
 
 This module imports nothing from vLLM: clients can use it on a parsed JSON response too.
 """

@@ -106,7 +106,7 @@ def test_merged_choices_get_no_misattributed_stats() -> None:
 
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from vllm_evict.openai_stats import _watch, _with_stats
+    from vllm_evict.openai_server import _watch, _with_stats
 
     report = {KEY: {"policy": "snapkv", "budget": 64, "tokens_evicted": 1, "tokens_cached": 2,
                     "peak_tokens_cached": 3, "pages_freed": 0}}
