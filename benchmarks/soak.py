@@ -142,11 +142,12 @@ def make_jobs(count: int, seed: int, profile: Profile, concurrency: int) -> list
     jobs = []
     for index in range(count):
         if index < max(2, concurrency // 2):
-            # The first wave: eviction off, each request a third of the pool plus as much again generated.
+            # The first wave: eviction off, each request a third of the pool plus a long generation.
             # Together they need twice the pool or more, so vLLM must preempt (and recompute) some of them.
             third = profile.pool_pages * PAGE // 3
             jobs.append(Job(index, "good", "completions", stream=index % 2 == 1, prompt_len=third,
-                            max_tokens=third, sampled=False, ignore_eos=True, xargs={"kv_eviction": "none"}))
+                            max_tokens=min(third, profile.max_gen), sampled=False, ignore_eos=True,
+                            xargs={"kv_eviction": "none"}))
             continue
         roll = rng.random()
         kind = "bad" if roll < 0.05 else "disconnect" if roll < 0.25 else "good"
