@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk, max_num_batched_tokens (256)")
     parser.add_argument("--prompts", default="300,700,1100,1500", help="prompt lengths of the pages-over-time run")
     parser.add_argument("--gen-len", type=int, default=96, help="tokens generated per request (96)")
-    parser.add_argument("--concurrency", default="1,2,4,8,16", help="concurrencies of the throughput run")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="concurrencies of the throughput run (1,2,4,8)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt length of the throughput run (512)")
     parser.add_argument("--requests", type=int, default=16, help="requests per throughput point (16)")
     return parser.parse_args(argv)
