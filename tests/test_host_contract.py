@@ -923,12 +923,11 @@ def _cases() -> list[Any]:
     add("AsyncLLM.__init__:loads_stat_logger_plugins", expect_source(
         "vllm.v1.engine.async_llm.AsyncLLM.__init__", r"load_stat_logger_plugin_factories\(",
         "AsyncLLM no longer loads the vllm.stat_logger_plugins entry points"))
-    add("LLMEngine.__init__:vllm_config,stat_loggers", expect_params(
-        "vllm.v1.engine.llm_engine.LLMEngine.__init__", "vllm_config", "log_stats", "stat_loggers"))
-    add("LLMEngine.__init__:no_stat_logger_plugins", lambda: (
-        "load_stat_logger_plugin_factories" not in source_of("vllm.v1.engine.llm_engine.LLMEngine.__init__")
-        or pytest.fail("vLLM changed LLMEngine.__init__: it loads the stat logger plugins itself now; drop the "
-                       "plugin's LLMEngine wrapper or the eviction logger is created twice")))
+    add("StatLoggerManager.__init__", expect_params(
+        "vllm.v1.metrics.loggers.StatLoggerManager.__init__", "vllm_config", "custom_stat_loggers"))
+    add("LLMEngine.__init__:creates_StatLoggerManager", expect_source(
+        "vllm.v1.engine.llm_engine.LLMEngine.__init__", r"StatLoggerManager\([\s\S]*custom_stat_loggers=",
+        "the offline engine no longer builds its loggers through StatLoggerManager(custom_stat_loggers=...)"))
     add("StatLoggerManager:custom_PrometheusStatLogger", check_stat_logger_manager_custom_prometheus)
     add("PrometheusStatLogger.__init__", expect_params(
         "vllm.v1.metrics.loggers.PrometheusStatLogger.__init__", "self", "vllm_config", "engine_indexes", prefix=True))

@@ -309,15 +309,15 @@ def _count_rejection(reason: str) -> None:
 
 # ---- eviction stats: engine core -> front end ---------------------------------------------------
 def _install_stats_transport() -> None:
-    """Let SchedulerStats carry the eviction stats across processes (see engine/stats.py), and give the
-    offline LLMEngine the eviction stat logger, which vLLM gives only to AsyncLLM (via the
-    ``vllm.stat_logger_plugins`` entry point)."""
-    from vllm.v1.engine.llm_engine import LLMEngine
+    """Let SchedulerStats carry the eviction stats across processes (see engine/stats.py), and make sure
+    every engine with eviction gets the eviction stat logger: vLLM gives the ``vllm.stat_logger_plugins``
+    entry point's loggers to AsyncLLM only, not to the offline LLMEngine."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
 
     from vllm_evict.engine.stats import widen_scheduler_stats_wire_type
 
     widen_scheduler_stats_wire_type()
-    original_init = LLMEngine.__init__
+    original_init = StatLoggerManager.__init__
     signature = inspect.signature(original_init)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -326,9 +326,10 @@ def _install_stats_transport() -> None:
         if (vllm_config.additional_config or {}).get("kv_eviction"):
             from vllm_evict.metrics import EvictionStatLogger, OfflineEvictionStatLogger
 
-            loggers = list(bound.arguments.get("stat_loggers") or [])
+            loggers = list(bound.arguments.get("custom_stat_loggers") or [])
             if not any(isinstance(f, type) and issubclass(f, EvictionStatLogger) for f in loggers):
-                bound.arguments["stat_loggers"] = [*loggers, OfflineEvictionStatLogger]
+                # No HTTP hooks: AsyncLLM (the OpenAI server) has the entry point's logger.
+                bound.arguments["custom_stat_loggers"] = [*loggers, OfflineEvictionStatLogger]
         original_init(*bound.args, **bound.kwargs)
 
-    LLMEngine.__init__ = __init__
+    StatLoggerManager.__init__ = __init__
