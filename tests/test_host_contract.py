@@ -558,15 +558,6 @@ def check_cdiv(h: Host) -> None:
     assert [cdiv(0, 16), cdiv(1, 16), cdiv(16, 16), cdiv(17, 16)] == [0, 1, 1, 2], "vLLM changed vllm.utils.math_utils.cdiv"
 
 
-def check_api_server_entry_main(h: Host) -> None:
-    main = resolve("vllm.entrypoints.launchers.api_server.entry.main")
-    required = [p.name for p in inspect.signature(main).parameters.values()
-                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    assert callable(main) and not required, (
-        f"vLLM changed vllm.entrypoints.launchers.api_server.entry.main: needs arguments {required} "
-        "(vllm_evict.serve calls it with none, after setting sys.argv)")
-
-
 def builds_model_runner(cls: type, method: str, depth: int = 3) -> bool:
     """``cls.method`` assigns self.model_runner, itself or through the methods of ``cls`` it calls."""
     try:
@@ -727,6 +718,82 @@ def check_cpu_attn_amx_layout(h: Host) -> None:
         raise
     assert name == "amx_packed", (
         f"vLLM changed CPU_ATTN's AMX KV layout: probe_kv_layout found {name!r}, not 'amx_packed'")
+
+
+# ---- metrics and per-request stats (metrics.py, engine/stats.py, openai_server.py) -------------------
+def check_scheduler_stats_wire_type(h: Host) -> None:
+    """The eviction step stats survive vLLM's own msgpack round trip of EngineCoreOutputs (engine core ->
+    API server), once plugin.register() has widened the wire type."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_evict.engine.stats import EvictionStepStats, EvictSchedulerStats, widen_scheduler_stats_wire_type
+
+    widen_scheduler_stats_wire_type()
+    step = EvictionStepStats(tokens_evicted=7, finished_requests={"snapkv": 2}, step_seconds=[0.5])
+    message = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=EvictSchedulerStats(num_running_reqs=3,
+                                                                                            kv_eviction=step)))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(message).scheduler_stats
+    assert isinstance(decoded, EvictSchedulerStats) and decoded.kv_eviction == step, (
+        f"vLLM changed EngineCoreOutputs/SchedulerStats decoding: the eviction stats arrive as {decoded!r}")
+    assert decoded.num_running_reqs == 3
+
+
+def check_scheduler_stats_extend(h: Host) -> None:
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from vllm_evict.engine.stats import EvictionStepStats, EvictSchedulerStats
+
+    base = SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5)
+    extended = EvictSchedulerStats.extend(base, EvictionStepStats())
+    assert (extended.num_running_reqs, extended.kv_cache_usage) == (2, 0.5), (
+        "vLLM changed SchedulerStats: its fields do not carry over to a subclass instance")
+
+
+def check_model_runner_output_extra_attribute(h: Host) -> None:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    from vllm_evict.engine.stats import WORKER_REPORT_ATTR, WorkerReport, attach_worker_report, worker_report_of
+
+    assert isinstance(EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput)
+    output = attach_worker_report(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}), WorkerReport(0.25, 1))
+    copy = pickle.loads(pickle.dumps(output))
+    assert worker_report_of(copy) == WorkerReport(0.25, 1), (
+        "vLLM changed ModelRunnerOutput: an extra attribute does not survive pickling (the worker reports its "
+        "eviction time that way)")
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, WORKER_REPORT_ATTR)
+
+
+def check_free_request_return_reaches_the_output(h: Host) -> None:
+    source = source_of(f"{SCHEDULER}.update_from_output")
+    assert re.search(r"kv_transfer_params\b[^=\n]*=\s*self\._free_request\(request\)", source) and re.search(
+        r"kv_transfer_params=kv_transfer_params", source), (
+        f"vLLM changed {SCHEDULER}.update_from_output: what _free_request returns no longer becomes the finished "
+        "request's EngineCoreOutput.kv_transfer_params (where the eviction stats travel)")
+
+
+def check_stat_logger_manager_custom_prometheus(h: Host) -> None:
+    source = source_of("vllm.v1.metrics.loggers.StatLoggerManager.__init__")
+    assert re.search(r"isinstance\(global_stat_logger, PrometheusStatLogger\)", source), (
+        "vLLM changed StatLoggerManager: a PrometheusStatLogger subclass no longer replaces the default one, so "
+        "vLLM's metrics would be registered twice")
+
+
+def check_prometheus_stat_logger_attributes(h: Host) -> None:
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    for name in ("_counter_cls", "_gauge_cls", "_histogram_cls"):
+        assert hasattr(PrometheusStatLogger, name), f"vLLM changed PrometheusStatLogger.{name}: gone"
+    assert re.search(r"self\.engine_indexes\s*=", source_of("vllm.v1.metrics.loggers.PrometheusStatLogger.__init__")), (
+        "vLLM changed PrometheusStatLogger: no self.engine_indexes")
+
+
+def check_run_multi_api_server_parses_before_spawning(h: Host) -> None:
+    source = source_of("vllm.entrypoints.cli.serve.run_multi_api_server")
+    parse, spawn = source.find("from_cli_args(args)"), source.find("APIServerProcessManager(")
+    assert 0 <= parse < spawn, (
+        "vLLM changed run_multi_api_server: it no longer builds the engine args from `args` before it starts the "
+        "API server processes, which get the eviction settings through that namespace")
 
 
 # ---- the case table ------------------------------------------------------------------------------------
@@ -967,8 +1034,87 @@ def _cases() -> list[Any]:
             (r"load_general_plugins\(", "init_worker no longer loads the general plugins in the worker"),
             (r"resolve_obj_by_qualname\(", "init_worker no longer resolves worker_cls from a qualname"))])
 
-    # -- serve.py
-    add("vllm.entrypoints.launchers.api_server.entry.main", check_api_server_entry_main)
+    # -- metrics, per-request stats (metrics.py, engine/stats.py, openai_server.py, plugin.py)
+    add("vllm.plugins.STAT_LOGGER_PLUGINS_GROUP", lambda: resolve("vllm.plugins.STAT_LOGGER_PLUGINS_GROUP")
+        == "vllm.stat_logger_plugins" or pytest.fail("vLLM changed the stat logger plugin entry-point group"))
+    add("AsyncLLM.__init__:loads_stat_logger_plugins", expect_source(
+        "vllm.v1.engine.async_llm.AsyncLLM.__init__", r"load_stat_logger_plugin_factories\(",
+        "AsyncLLM no longer loads the vllm.stat_logger_plugins entry points"))
+    add("StatLoggerManager.__init__", expect_params(
+        "vllm.v1.metrics.loggers.StatLoggerManager.__init__", "vllm_config", "custom_stat_loggers"))
+    add("LLMEngine.__init__:creates_StatLoggerManager", expect_source(
+        "vllm.v1.engine.llm_engine.LLMEngine.__init__", r"StatLoggerManager\([\s\S]*custom_stat_loggers=",
+        "the offline engine no longer builds its loggers through StatLoggerManager(custom_stat_loggers=...)"))
+    add("StatLoggerManager:custom_PrometheusStatLogger", check_stat_logger_manager_custom_prometheus)
+    add("PrometheusStatLogger.__init__", expect_params(
+        "vllm.v1.metrics.loggers.PrometheusStatLogger.__init__", "self", "vllm_config", "engine_indexes", prefix=True))
+    add("PrometheusStatLogger.record", expect_params(
+        "vllm.v1.metrics.loggers.PrometheusStatLogger.record", "self", "scheduler_stats", "iteration_stats",
+        "mm_cache_stats", "engine_idx", prefix=True))
+    add("PrometheusStatLogger:metric_classes,engine_indexes", check_prometheus_stat_logger_attributes)
+    add("EngineCoreOutputs.scheduler_stats", lambda: (
+        "scheduler_stats" in resolve("vllm.v1.engine.EngineCoreOutputs").__annotations__
+        or pytest.fail("vLLM changed EngineCoreOutputs.scheduler_stats: no such field")))
+    add("EngineCoreOutputs.scheduler_stats:wire_round_trip", check_scheduler_stats_wire_type)
+    add("SchedulerStats:subclass_carries_fields", check_scheduler_stats_extend)
+    add("Scheduler.make_stats", expect_params(f"{SCHEDULER}.make_stats", "self", prefix=True))
+    add("Scheduler.make_stats:call_site", expect_source(
+        f"{SCHEDULER}.update_from_output", r"self\.make_stats\(",
+        "update_from_output no longer builds the step's SchedulerStats through self.make_stats"))
+    add("Scheduler:log_stats,running", lambda: [expect_source(f"{SCHEDULER}.__init__", rf"self\.{attr}\b[^=\n]*=",
+                                                              f"no longer sets self.{attr}")()
+                                                for attr in ("log_stats", "running")])
+    add("Scheduler._free_request", expect_params(f"{SCHEDULER}._free_request", "self", "request", prefix=True))
+    add("Scheduler._free_request:returns_kv_transfer_params", check_free_request_return_reaches_the_output)
+    for name in ("request_id", "finish_reason", "kv_transfer_params"):
+        add(f"EngineCoreOutput.{name}", lambda name=name: (
+            name in resolve("vllm.v1.engine.EngineCoreOutput").__struct_fields__
+            or pytest.fail(f"vLLM changed EngineCoreOutput.{name}: no such field")))
+    add("OutputProcessor:passes_kv_transfer_params", expect_source(
+        "vllm.v1.engine.output_processor.OutputProcessor.process_outputs",
+        r"kv_transfer_params\s*=\s*engine_core_output\.kv_transfer_params",
+        "the output processor no longer hands EngineCoreOutput.kv_transfer_params to the RequestOutput"))
+    add("RequestOutput.kv_transfer_params", expect_params("vllm.outputs.RequestOutput.__init__", "kv_transfer_params"))
+    add("ModelRunnerOutput:extra_attribute_pickles", check_model_runner_output_extra_attribute)
+    for method in ("execute_model", "sample_tokens"):
+        add(f"Worker.{method}", expect_attr(f"vllm.v1.worker.gpu_worker.Worker.{method}"))
+    add("EngineCore.step:sample_tokens_after_execute_model", expect_source(
+        "vllm.v1.engine.core.EngineCore.step", r"execute_model\([\s\S]*sample_tokens\(",
+        "the engine core no longer calls sample_tokens after execute_model (the worker report rides on either)"))
+    add("GPUModelRunner.device", expect_source(f"{RUNNER}.__init__", r"self\.device\b[^=\n]*=",
+                                               "no longer sets self.device"))
+    serving = {"completion": ("vllm.entrypoints.openai.completion.serving.OpenAIServingCompletion",
+                              "create_completion", "completion_stream_generator"),
+               "chat": ("vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat",
+                        "create_chat_completion", "chat_completion_stream_generator")}
+    for name, (cls, handler, stream) in serving.items():
+        add(f"{cls.rsplit('.', 1)[1]}.{handler}", expect_params(f"{cls}.{handler}", "self", "request", prefix=True))
+        add(f"{cls.rsplit('.', 1)[1]}.{stream}", expect_params(f"{cls}.{stream}", "request", "result_generator"))
+        add(f"{cls.rsplit('.', 1)[1]}:returns_{stream}", expect_source(
+            cls, rf"return self\.{stream}\(", f"the {name} handler no longer returns self.{stream}(...) for a stream"))
+        add(f"{cls.rsplit('.', 1)[1]}.create_error_response", expect_attr(f"{cls}.create_error_response"))
+    for protocol, request, response in (("completion", "CompletionRequest", "CompletionResponse"),
+                                        ("chat_completion", "ChatCompletionRequest", "ChatCompletionResponse")):
+        module = f"vllm.entrypoints.openai.{protocol}.protocol"
+        add(f"{request}.vllm_xargs", lambda module=module, request=request: (
+            "vllm_xargs" in resolve(f"{module}.{request}").model_fields
+            or pytest.fail(f"vLLM changed {request}.vllm_xargs: no such field")))
+        add(f"{response}.kv_transfer_params", lambda module=module, response=response: (
+            "kv_transfer_params" in resolve(f"{module}.{response}").model_fields
+            or pytest.fail(f"vLLM changed {response}.kv_transfer_params: the eviction stats are no longer in the body")))
+    add("GenerateBaseServing.engine_client", expect_source(
+        "vllm.entrypoints.generate.base.serving.GenerateBaseServing.__init__", r"self\.engine_client\s*=",
+        "the OpenAI handlers no longer keep self.engine_client"))
+
+    # -- serve.py: vLLM's own `serve` subcommand, without its CLI's top-level parser
+    for name in ("subparser_init", "validate", "cmd"):
+        add(f"ServeSubcommand.{name}", expect_attr(f"vllm.entrypoints.cli.serve.ServeSubcommand.{name}"))
+    add("ServeSubcommand:multi_api_server", expect_source(
+        "vllm.entrypoints.cli.serve.ServeSubcommand.cmd", r"run_multi_api_server\(args\)",
+        "the serve subcommand no longer starts several API servers through run_multi_api_server"))
+    add("run_multi_api_server:parses_before_spawning", check_run_multi_api_server_parses_before_spawning)
+    add("vllm.logger.configure_logging_from_args", expect_attr("vllm.logger.configure_logging_from_args"))
+    add("FlexibleArgumentParser", expect_attr("vllm.utils.argparse_utils.FlexibleArgumentParser"))
 
     # -- tests/engine/helpers.py reaches into the in-process engine
     for symbol, pattern in (("vllm.entrypoints.llm.LLM.__init__", r"self\.llm_engine\s*="),

@@ -11,6 +11,7 @@ The eviction settings travel as ``additional_config["kv_eviction"]`` (a JSON obj
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import sys
@@ -41,6 +42,7 @@ def register() -> None:
     _wrap_create_engine_config(EngineArgs)
     _wrap_startup_memory_check()
     _wrap_request_validation()
+    _install_stats_transport()
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
@@ -94,6 +96,9 @@ def _wrap_cli(engine_args_cls: Any) -> None:
             extra = dict(engine_args.additional_config or {})
             extra["kv_eviction"] = {**extra.get("kv_eviction", {}), **mapping}
             engine_args.additional_config = extra
+            # With --api-server-count > 1 each API server process gets a copy of `args` and calls
+            # from_cli_args before it loads this plugin: the settings must be in the namespace itself.
+            args.additional_config = extra
         return engine_args
 
     engine_args_cls.add_cli_args = staticmethod(add_cli_args)
@@ -176,6 +181,7 @@ def _wrap_request_validation() -> None:
             try:
                 resolve_request_config(server, extra)
             except ValueError as err:
+                _count_rejection("invalid_settings")
                 raise VLLMValidationError(str(err)) from None
         return result
 
@@ -184,7 +190,11 @@ def _wrap_request_validation() -> None:
 
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
         request = original_process(self, *args, **kwargs)
-        check_request_fits(self.vllm_config, request)
+        try:
+            check_request_fits(self.vllm_config, request)
+        except VLLMValidationError:
+            _count_rejection("does_not_fit")
+            raise
         return request
 
     InputProcessor.process_inputs = process_inputs
@@ -216,3 +226,37 @@ def check_request_fits(vllm_config: Any, request: Any) -> None:
         raise VLLMValidationError(
             f"this request needs up to {tokens} tokens of KV cache ({needed} pages) but the pool holds "
             f"{usable} pages; turn eviction on for it or lower kv_budget, or shorten the prompt or max_tokens")
+
+
+def _count_rejection(reason: str) -> None:
+    from vllm_evict.metrics import record_rejection  # imported on the error path only
+
+    record_rejection(reason)
+
+
+# ---- eviction stats: engine core -> front end ---------------------------------------------------
+def _install_stats_transport() -> None:
+    """Let SchedulerStats carry the eviction stats across processes (see engine/stats.py), and make sure
+    every engine with eviction gets the eviction stat logger: vLLM gives the ``vllm.stat_logger_plugins``
+    entry point's loggers to AsyncLLM only, not to the offline LLMEngine."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    from vllm_evict.engine.stats import widen_scheduler_stats_wire_type
+
+    widen_scheduler_stats_wire_type()
+    original_init = StatLoggerManager.__init__
+    signature = inspect.signature(original_init)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        vllm_config = bound.arguments["vllm_config"]
+        if (vllm_config.additional_config or {}).get("kv_eviction"):
+            from vllm_evict.metrics import EvictionStatLogger, OfflineEvictionStatLogger
+
+            loggers = list(bound.arguments.get("custom_stat_loggers") or [])
+            if not any(isinstance(f, type) and issubclass(f, EvictionStatLogger) for f in loggers):
+                # No HTTP hooks: AsyncLLM (the OpenAI server) has the entry point's logger.
+                bound.arguments["custom_stat_loggers"] = [*loggers, OfflineEvictionStatLogger]
+        original_init(*bound.args, **bound.kwargs)
+
+    StatLoggerManager.__init__ = __init__

@@ -116,6 +116,7 @@ class ElasticCompressor:
         del blocks[keep_pages:]
         scheduler.kv_cache_manager.block_pool.free_blocks(reversed(tail))
         scheduler.evicted[request_id] = scheduler.evicted.get(request_id, 0) + cached - keep
+        scheduler.accounting.compressed(request_id, cached - keep, len(tail))
         before = self.compressions.get(request_id)
         self.compressions[request_id] = Compression(
             cached_before=before.cached_before if before is not None else cached, keep=keep)

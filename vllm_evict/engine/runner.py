@@ -29,6 +29,7 @@ from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
+from vllm_evict.engine.step_timer import StepTimer
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
@@ -72,6 +73,7 @@ class EvictRunnerMixin:
         self.evict_layout = ""
         # When a dict (tests), the logical positions each finished request kept, per layer [H_kv, n].
         self.evict_kept_record: dict[str, list[Tensor]] | None = None
+        self.evict_timer = StepTimer(self.device)  # type: ignore[attr-defined]  # eviction time per step (metrics)
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
@@ -198,7 +200,8 @@ class EvictRunnerMixin:
         self._apply_compactions(scheduler_output)
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         if plan is not None and plan.compress:
-            compress_before_forward(self, plan)
+            with self.evict_timer:
+                compress_before_forward(self, plan)
         for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
             rows.forget(request_id)  # before vLLM adds this step's new requests: their ring slots are free
         try:
@@ -267,7 +270,8 @@ class EvictRunnerMixin:
             result = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             step = self.evict_step
             if step is not None and attn_metadata is not None:
-                self._evict_layer(index, layer, step, query, key, value)
+                with self.evict_timer:
+                    self._evict_layer(index, layer, step, query, key, value)
             return result
 
         setattr(forward_then_evict, HOOK_ATTR, original)

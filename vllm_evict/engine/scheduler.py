@@ -27,6 +27,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_evict.config import EvictionConfig, resolve_request_config
 from vllm_evict.engine.elastic import ElasticCompressor
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
+from vllm_evict.engine.stats import EvictionAccounting, EvictSchedulerStats, with_report, worker_report_of
 from vllm_evict.schedule import eviction_target, phase_of, request_bound
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
@@ -55,6 +56,7 @@ class EvictScheduler(Scheduler):
         self.kv_cache_manager.__class__ = _evicting_manager_class(type(self.kv_cache_manager))
         self.kv_cache_manager.eviction = self
         self.elastic = ElasticCompressor(self)
+        self.accounting = EvictionAccounting(self.log_stats)  # metrics and per-request reports
 
     # ---- per-request configuration ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -62,7 +64,9 @@ class EvictScheduler(Scheduler):
         # for a request that came through the API or LLM.
         params = request.sampling_params
         extra = params.extra_args if params is not None else None
-        self.eviction_configs[request.request_id] = resolve_request_config(self.server_eviction, extra)
+        config = resolve_request_config(self.server_eviction, extra)
+        self.eviction_configs[request.request_id] = config
+        self.accounting.add(request.request_id, config, stop_strings=bool(params is not None and params.stop))
         super().add_request(request)
 
     def config_of(self, request_id: str) -> EvictionConfig | None:
@@ -92,11 +96,14 @@ class EvictScheduler(Scheduler):
         self.elastic.finish_step(output, plan)
         for request_id, num_new in output.num_scheduled_tokens.items():
             config = self.config_of(request_id)
-            if config is None or config.elastic:  # elastic requests evict only when the pool is short
+            if config is None:
                 continue
             request = self.requests[request_id]
             tokens_before = request.num_computed_tokens - num_new  # vLLM has already advanced it
             phys_after = tokens_before - self.evicted.get(request_id, 0) + num_new
+            self.accounting.scheduled(request_id, phys_after)
+            if config.elastic:  # elastic requests evict only when the pool is short
+                continue
             phase = phase_of(tokens_before, num_new, request.num_prompt_tokens)
             keep = eviction_target(phys_after=phys_after, phase=phase, budget=config.budget,
                                    schedule=config.schedule, slack=self.slack_of(config))
@@ -104,6 +111,8 @@ class EvictScheduler(Scheduler):
                 plan.keep[request_id] = keep
                 plan.cached[request_id] = phys_after
                 self.pending_keep[request_id] = keep
+                self.accounting.evicted(request_id, phys_after - keep)
+        self.accounting.end_step()
         setattr(output, PLAN_ATTR, plan)
         return output
 
@@ -117,6 +126,7 @@ class EvictScheduler(Scheduler):
             tail = blocks[cdiv(keep, self.page_size):]
             del blocks[cdiv(keep, self.page_size):]
             self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+            self.accounting.freed(request_id, len(tail))
             self.evicted[request_id] = request.num_computed_tokens - keep
         self.pending_keep.clear()
 
@@ -128,8 +138,11 @@ class EvictScheduler(Scheduler):
         self.elastic.compressions.pop(request.request_id, None)
         self.elastic.allocated_now.pop(request.request_id, None)
 
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        outputs = super().update_from_output(*args, **kwargs)
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+        self.accounting.observe_worker(worker_report_of(model_runner_output))  # before make_stats runs
+        outputs = super().update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
+        self._report_unfinished(outputs)
         self._forget_gone_requests()
         return outputs
 
@@ -148,6 +161,42 @@ class EvictScheduler(Scheduler):
         """Tokens physically cached for a request (tests and metrics)."""
         request = self.requests[request_id]
         return request.num_computed_tokens - self.evicted.get(request_id, 0)
+
+    # ---- eviction stats: per-request reports (kv_transfer_params) and SchedulerStats -------------
+    def tokens_in_cache(self, request: Request) -> int:
+        """Tokens physically cached now, i.e. after this step's compaction (its pages go back next step)."""
+        keep = self.pending_keep.get(request.request_id)
+        return keep if keep is not None else request.num_computed_tokens - self.evicted.get(request.request_id, 0)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        # vLLM puts what this returns in the finished request's EngineCoreOutput.kv_transfer_params.
+        report = self.accounting.finish(request.request_id, self.tokens_in_cache(request))
+        kv_transfer_params, *rest = super()._free_request(request, *args, **kwargs)
+        return (with_report(kv_transfer_params, report), *rest)
+
+    def _report_unfinished(self, outputs: dict[int, Any]) -> None:
+        """Reports on the outputs of unfinished requests that want one on every output."""
+        if not self.accounting.every_output:
+            return
+        for engine_core_outputs in outputs.values():
+            for out in engine_core_outputs.outputs:
+                request = self.requests.get(out.request_id)
+                wanted = out.finish_reason is None and out.request_id in self.accounting.every_output
+                if wanted and request is not None:
+                    report = self.accounting.report(out.request_id, self.tokens_in_cache(request))
+                    out.kv_transfer_params = with_report(out.kv_transfer_params, report)
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = super().make_stats(*args, **kwargs)
+        if stats is None:
+            return None
+        self._forget_gone_requests()
+        tracked = {*self.eviction_configs, *self.evicted, *self.pending_keep, *self.accounting.requests,
+                   *self.accounting.every_output}
+        step = self.accounting.take_step_stats(
+            tokens_cached=sum(self.tokens_in_cache(r) for r in self.running),
+            tokens_logical=sum(r.num_computed_tokens for r in self.running), scheduler_requests=len(tracked))
+        return EvictSchedulerStats.extend(stats, step)
 
 
 _MANAGER_CLASSES: dict[type, type] = {}

@@ -15,6 +15,7 @@ import importlib
 from typing import Any
 
 from vllm_evict.engine.runner import EvictRunnerMixin
+from vllm_evict.engine.stats import WorkerReport, attach_worker_report
 
 _RUNNER_CLASSES: dict[type, type] = {}
 WRAPPED_PREFIX = "Evict:"  # a name no Python identifier can clash with
@@ -33,6 +34,19 @@ def install_runner_mixin(worker: Any) -> None:
         _RUNNER_CLASSES[base] = type("Evict" + base.__name__, (EvictRunnerMixin, base), {})
     runner.__class__ = _RUNNER_CLASSES[base]
     runner.evict_init()
+
+
+def report_step(worker: Any, output: Any) -> Any:
+    """The step's output with the worker's eviction report (time spent evicting, requests with state),
+    for the scheduler's metrics. vLLM returns the output from execute_model or, when that returns None,
+    from sample_tokens; the time accumulates until an output carries it."""
+    if output is None:
+        return None
+    runner = worker.model_runner
+    rows = runner.evict_rows
+    report = WorkerReport(eviction_seconds=runner.evict_timer.take(),
+                          tracked_requests=len(rows.held_requests()) if rows is not None else 0)
+    return attach_worker_report(output, report)
 
 
 def _resolve(qualname: str) -> type:
@@ -56,10 +70,17 @@ def _evicting_subclass(base: type, attribute: str) -> type:
         # the pool, so that eviction can never push the device out of memory.
         return self.model_runner.evict_kv_share(base.determine_available_memory(self))
 
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return report_step(self, base.execute_model(self, *args, **kwargs))
+
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return report_step(self, base.sample_tokens(self, *args, **kwargs))
+
     # __qualname__ is the module attribute, so pickle finds the class again by reference.
     return type("Evict" + base.__name__, (base,), {"init_device": init_device, "__module__": __name__,
                                                     "__qualname__": attribute,
-                                                    "determine_available_memory": determine_available_memory})
+                                                    "determine_available_memory": determine_available_memory,
+                                                    "execute_model": execute_model, "sample_tokens": sample_tokens})
 
 
 def wrapped_worker_qualname(user_qualname: str) -> str:

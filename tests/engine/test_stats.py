@@ -1,0 +1,225 @@
+"""Per-request eviction stats on the RequestOutput and the eviction metrics of the offline LLM
+(``llm.get_metrics()``), against the shared schedule rule (tests/eviction_oracle.py) and the scheduler's
+own state, in the real engine (tiny random Llama, in process; one case in the multiprocess engine).
+
+About 1-2 min on a quiet 2-core machine (most of it the multiprocess case's start-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any, Iterator
+
+import pytest
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+
+from tests.engine.helpers import BLOCK, Engine, greedy, make_llm, token_prompt
+from tests.eviction_oracle import expected_run
+from vllm_evict.config import EvictionConfig, resolve_request_config
+from vllm_evict.engine.stats import WORKER_REPORT_ATTR, WorkerReport, attach_worker_report
+from vllm_evict.engine.step_timer import StepTimer
+from vllm_evict.metrics import Metric, MetricSpec
+from vllm_evict.stats import KEY, RequestEvictionStats, eviction_stats
+
+pytestmark = pytest.mark.engine
+
+SERVER = {"policy": "snapkv", "budget": 64}
+CHUNK = 64  # make_llm's max_num_batched_tokens
+PROMPT, MAX_TOKENS = 200, 50  # decode grows past budget + one page once: every kind of eviction happens
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: str) -> Iterator[Engine]:
+    built = Engine(make_llm(tiny_llama, SERVER, disable_log_stats=False))
+    yield built
+    built.llm.llm_engine.engine_core.shutdown()
+
+
+def snapshot(engine: Engine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every vllm: counter, gauge and histogram count, by (name, labels)."""
+    values = {}
+    for metric in engine.llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if value is None:
+            value = getattr(metric, "count", None)
+        if value is not None:
+            values[(metric.name, tuple(sorted(metric.labels.items())))] = float(value)
+    return values
+
+
+def metric(values: dict, spec: MetricSpec, **labels: str) -> float:
+    found = [v for (name, got), v in values.items() if name == spec.name and dict(got).items() >= labels.items()]
+    assert len(found) == 1, f"{spec.name} {labels}: {found}"
+    return found[0]
+
+
+def delta(before: dict, after: dict, spec: MetricSpec, **labels: str) -> float:
+    return metric(after, spec, **labels) - (metric(before, spec, **labels) if _has(before, spec, labels) else 0.0)
+
+
+def _has(values: dict, spec: MetricSpec, labels: dict) -> bool:
+    return any(name == spec.name and dict(got).items() >= labels.items() for (name, got) in values)
+
+
+def settle(engine: Engine) -> dict:
+    """Run the engine's last step, which tells the worker which requests finished (a server's engine runs
+    it by itself; offline ``LLM.generate`` returns before it), then snapshot the metrics."""
+    while engine.scheduler.has_requests():
+        engine.llm.llm_engine.step()
+    return snapshot(engine)
+
+
+def assert_idle(engine: Engine, values: dict) -> None:
+    for spec, labels in ((Metric.CACHED_TOKENS.value, {}), (Metric.LOGICAL_TOKENS.value, {}),
+                         (Metric.TRACKED_REQUESTS.value, {"side": "scheduler"}),
+                         (Metric.TRACKED_REQUESTS.value, {"side": "worker"})):
+        assert metric(values, spec, **labels) == 0, (spec.name, labels)
+    scheduler = engine.scheduler
+    assert not (scheduler.eviction_configs or scheduler.evicted or scheduler.pending_keep
+                or scheduler.accounting.requests or scheduler.accounting.every_output)
+    assert not engine.runner.evict_rows.held_requests()
+
+
+# ---- one request alone: exact stats and exact metric increments ------------------------------------
+@pytest.mark.parametrize("xargs", [{}, {"kv_eviction": "keydiff", "kv_budget": 96}, {"kv_eviction": "none"}],
+                         ids=["server-snapkv", "override-keydiff-96", "none"])
+def test_request_stats_and_metrics_follow_the_schedule_rule(engine: Engine, xargs: dict[str, Any]) -> None:
+    config = resolve_request_config(SERVER, xargs)
+    expected = expected_run(config, prompt_len=PROMPT, max_tokens=MAX_TOKENS, chunk=CHUNK, page=BLOCK)
+    before = snapshot(engine)
+    output = engine.llm.generate([token_prompt(PROMPT, 3)], greedy(MAX_TOKENS, **xargs))[0]
+    after = settle(engine)
+
+    stats = eviction_stats(output)
+    assert stats == expected.stats
+    assert stats.tokens_evicted == PROMPT + MAX_TOKENS - 1 - stats.tokens_cached  # logical - cached
+    assert set(output.kv_transfer_params) == {KEY}
+    if config is not None:
+        assert stats.tokens_evicted > 0 and stats.pages_freed > 0 and expected.eviction_steps >= 2
+
+    assert delta(before, after, Metric.EVICTED_TOKENS.value) == stats.tokens_evicted
+    assert delta(before, after, Metric.FREED_PAGES.value) == stats.pages_freed
+    assert delta(before, after, Metric.EVICTION_STEPS.value) == expected.eviction_steps
+    assert delta(before, after, Metric.REQUESTS.value, policy=stats.policy) == 1
+    # One observation per engine step that ran eviction work for the request (none: no work at all).
+    assert delta(before, after, Metric.STEP_SECONDS.value) == (expected.steps if config else 0)
+    assert_idle(engine, after)
+
+
+def test_mixed_batch_counters_add_up_the_requests(engine: Engine) -> None:
+    requests = [({}, 200), ({"kv_eviction": "keydiff", "kv_budget": 96}, 260), ({"kv_eviction": "none"}, 150),
+                ({"kv_budget": 48, "kv_eviction_config": {"window": 16}}, 230)]
+    before = snapshot(engine)
+    outputs = engine.llm.generate([token_prompt(length, 5 + i) for i, (_, length) in enumerate(requests)],
+                                  [greedy(40, **xargs) for xargs, _ in requests])
+    after = settle(engine)
+    stats = [eviction_stats(out) for out in outputs]
+    for (xargs, length), got in zip(requests, stats):
+        config = resolve_request_config(SERVER, xargs)
+        assert (got.policy, got.budget) == ((config.policy, config.budget) if config else ("none", None))
+        assert got.tokens_evicted == length + 40 - 1 - got.tokens_cached
+        assert got.peak_tokens_cached >= got.tokens_cached
+    assert stats[2].tokens_evicted == stats[2].pages_freed == 0
+    assert delta(before, after, Metric.EVICTED_TOKENS.value) == sum(s.tokens_evicted for s in stats)
+    assert delta(before, after, Metric.FREED_PAGES.value) == sum(s.pages_freed for s in stats)
+    for policy in ("snapkv", "keydiff", "none"):
+        assert delta(before, after, Metric.REQUESTS.value, policy=policy) == sum(s.policy == policy for s in stats)
+    assert_idle(engine, after)
+
+
+def test_stop_string_request_reports_at_the_output_that_stopped_it(engine: Engine) -> None:
+    """The front end ends it (the detokenizer finds the stop string in the first token, " t..."), at an
+    output the engine core did not know to be the last: such requests get the stats on every output."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, stop=["t"])
+    output = engine.llm.generate([token_prompt(PROMPT, 9)], params)[0]
+    assert output.outputs[0].finish_reason == "stop" and len(output.outputs[0].token_ids) == 1
+    # The state after the step that produced the first token: the prompt, evicted to the budget.
+    first_output = expected_run(EvictionConfig.from_mapping(SERVER), prompt_len=PROMPT, max_tokens=1, chunk=CHUNK,
+                                page=BLOCK)
+    assert eviction_stats(output) == first_output.stats
+    assert_idle(engine, settle(engine))
+
+
+def test_rejected_override_counts_once_and_moves_nothing_else(engine: Engine) -> None:
+    before = snapshot(engine)
+    with pytest.raises(VLLMValidationError, match="budget must be an integer >= 1, got -5"):
+        engine.llm.generate([token_prompt(50)], greedy(4, kv_budget=-5))
+    after = snapshot(engine)
+    assert delta(before, after, Metric.REJECTED_REQUESTS.value, reason="invalid_settings") == 1
+    rejected = Metric.REJECTED_REQUESTS.value.name
+    assert {k: v for k, v in after.items() if k[0] != rejected} == {k: v for k, v in before.items() if k[0] != rejected}
+
+
+# ---- the default multiprocess engine: stats cross the process boundary ---------------------------
+MP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from tests.engine.helpers import make_llm, greedy, token_prompt
+    from vllm_evict.stats import eviction_stats
+    if __name__ == "__main__":
+        llm = make_llm(sys.argv[1], {"policy": "snapkv", "budget": 64}, disable_log_stats=False)
+        out = llm.generate([token_prompt(200, 3)], greedy(50))[0]
+        metrics = {m.name + json.dumps(m.labels, sort_keys=True): getattr(m, "value", getattr(m, "count", None))
+                   for m in llm.get_metrics() if "kv_eviction" in m.name}
+        print("RESULT" + json.dumps({"stats": eviction_stats(out).to_dict(), "metrics": metrics}))
+""")
+
+
+def test_offline_multiprocess_engine_reports_stats_and_metrics(tiny_llama: str, tmp_path: Any) -> None:
+    script = tmp_path / "mp_stats.py"
+    script.write_text(MP_SCRIPT)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.getcwd())
+    result = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True, env=env,
+                            timeout=600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    assert lines, result.stderr[-3000:]
+    got = json.loads(lines[0][len("RESULT"):])
+    expected = expected_run(EvictionConfig.from_mapping(SERVER), prompt_len=200, max_tokens=50, chunk=CHUNK,
+                            page=BLOCK)
+    assert RequestEvictionStats.from_dict(got["stats"]) == expected.stats
+    labels = {"engine": "0", "model_name": tiny_llama}
+    metrics = got["metrics"]
+
+    def value(spec: MetricSpec, **extra: str) -> float:
+        return metrics[spec.name + json.dumps({**labels, **extra}, sort_keys=True)]
+
+    assert value(Metric.EVICTED_TOKENS.value) == expected.stats.tokens_evicted
+    assert value(Metric.FREED_PAGES.value) == expected.stats.pages_freed
+    assert value(Metric.EVICTION_STEPS.value) == expected.eviction_steps
+    assert value(Metric.STEP_SECONDS.value) == expected.steps
+    assert value(Metric.REQUESTS.value, policy="snapkv") == 1
+    assert value(Metric.TRACKED_REQUESTS.value, side="scheduler") == 0
+    # The worker learns that the request finished in the engine's next step, whose stats LLM.generate
+    # does not wait for (in-process: settle(); a server's engine reports it by itself).
+
+
+# ---- small parts -----------------------------------------------------------------------------------
+def test_metric_table_follows_vllm_conventions() -> None:
+    names = [m.value.name for m in Metric]
+    assert len(names) == len(set(names))
+    for name in names:
+        assert name.startswith("vllm:kv_eviction_") and not name.endswith("_total"), name
+
+
+def test_worker_report_never_mutates_vllms_empty_output() -> None:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    report = WorkerReport(eviction_seconds=None, tracked_requests=0)
+    out = attach_worker_report(EMPTY_MODEL_RUNNER_OUTPUT, report)
+    assert out is not EMPTY_MODEL_RUNNER_OUTPUT and getattr(out, WORKER_REPORT_ATTR) is report
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, WORKER_REPORT_ATTR)
+    assert attach_worker_report(None, report) is None
+
+
+def test_step_timer_sums_layers_and_resets() -> None:
+    timer = StepTimer("cpu")
+    assert timer.take() is None
+    for _ in range(3):
+        with timer:
+            sum(range(1000))
+    first = timer.take()
+    assert first is not None and first > 0
+    assert timer.take() is None

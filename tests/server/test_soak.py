@@ -1,0 +1,59 @@
+"""The short soak (benchmarks/soak.py): 60 mixed requests, 8 at a time, against a real server (tiny Llama,
+a 24-page KV pool that makes vLLM preempt), then the checks that nothing is left behind. About 2 min on a
+quiet 2-core machine (start-up included); the 1000-request run with SmolLM2 is in docs/observability.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="the soak needs vLLM (make install)")
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+
+
+@pytest.fixture(scope="module")
+def soak() -> Iterator[Any]:
+    spec = importlib.util.spec_from_file_location("bench_soak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_workload_has_every_kind_of_request(soak: Any) -> None:
+    jobs = soak.make_jobs(1000, 0, soak.PROFILES["smollm2"], 8)
+    kinds = {kind: sum(j.kind == kind for j in jobs) for kind in ("good", "disconnect", "bad")}
+    assert 30 <= kinds["bad"] <= 70 and 150 <= kinds["disconnect"] <= 250, kinds
+    lengths = [j.prompt_len for j in jobs if j.kind == "good"]
+    assert min(lengths) <= 10 and max(lengths) >= 2000
+    gens = [j.max_tokens for j in jobs if j.kind == "good"]
+    assert min(gens) == 1 and max(gens) >= 200
+    assert {j.endpoint for j in jobs} == {"completions", "chat"} and {j.stream for j in jobs} == {True, False}
+    assert {j.sampled for j in jobs} == {True, False}
+    policies = {(j.xargs or {}).get("kv_eviction", "server") for j in jobs if j.kind == "good"}
+    assert {"server", "none", "snapkv", "h2o"} <= policies
+    assert any(j.xargs and set(j.xargs) == {"kv_budget"} for j in jobs)
+    assert any(j.expect_error and "this request needs up to" in j.expect_error for j in jobs)
+
+
+def test_short_soak_passes(soak: Any, tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    status = soak.main(["--tiny", "--requests", "60", "--concurrency", "8", "--quiet", "--out", str(out),
+                        "--log", str(tmp_path / "server.log")])
+    report = json.loads(out.read_text())
+    assert status == 0, report["summary"]
+    assert report["passed"] and not report["problems"] and not report["left_on_metrics"]
+    assert report["counters"]["preemptions"] > 0, "the KV pool did not make vLLM preempt"
+    assert report["counters"]["rejected"] == report["kinds"]["bad"] > 0
+    assert report["counters"]["evicted tokens"] > 0 and report["counters"]["freed pages"] > 0
