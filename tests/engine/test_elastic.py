@@ -14,6 +14,7 @@ import torch
 from tests.engine.helpers import BLOCK, assert_worker_rows_clean, chosen_logprobs, greedy, token_prompt
 from vllm_evict.config import resolve_request_config
 from vllm_evict.reference import load_model, run_reference
+from vllm_evict.stats import eviction_stats
 
 pytestmark = pytest.mark.engine
 
@@ -31,6 +32,7 @@ class Recorder:
         self.steps: dict[str, int] = defaultdict(int)  # forward steps each request has run
         self.compressions: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         self.compressed: list[str] = []
+        self.tokens_compressed: dict[str, int] = defaultdict(int)  # over the request's life, preemptions too
         self.preemptions: list[tuple[str, dict[str, int]]] = []
         self._schedule, self._preempt = scheduler.schedule, scheduler._preempt_request
 
@@ -60,6 +62,17 @@ class Recorder:
             return self._preempt(request, *args, **kwargs)
 
         scheduler.schedule, scheduler._preempt_request = schedule, preempt
+        compress = scheduler.elastic._compress
+        self.compress_calls = 0
+
+        def counted_compress(victim, *args, **kwargs):
+            before = scheduler.evicted.get(victim.request_id, 0)
+            freed = compress(victim, *args, **kwargs)
+            self.tokens_compressed[victim.request_id] += scheduler.evicted.get(victim.request_id, 0) - before
+            self.compress_calls += freed > 0
+            return freed
+
+        scheduler.elastic._compress = counted_compress
 
     def run(self, requests: dict[str, tuple[dict, dict]], new_tokens: int) -> dict:
         llm_engine = self.engine.llm.llm_engine
@@ -94,11 +107,19 @@ def test_memory_to_spare_is_vanilla(tiny_llama, engine_factory):
 def test_short_pool_compresses_then_preempts_only_at_the_floor(tiny_llama, engine_factory):
     """A pool far smaller than the demand: requests are compressed instead of preempted, and any
     preemption happens only when no running elastic request is a page above its floor."""
-    engine = engine_factory(tiny_llama, ELASTIC, pages=22, max_num_seqs=4)
+    engine = engine_factory(tiny_llama, ELASTIC, pages=22, max_num_seqs=4, disable_log_stats=False)
     recorder = Recorder(engine)
     outputs = recorder.run({f"r{i}": (token_prompt(300, offset=i), {}) for i in range(6)}, new_tokens=64)
     assert len(outputs) == 6 and all(len(o.outputs[0].token_ids) == 64 for o in outputs.values())
     assert len(set(recorder.compressed)) >= 4, "requests were not compressed"
+    # What each request's stats and the metrics report: compressions, told apart from preemptions.
+    compressed = recorder.by_name(recorder.tokens_compressed)
+    for name, out in outputs.items():
+        assert eviction_stats(out).tokens_evicted == compressed.get(name, 0), name
+    metrics = {m.name: m.value for m in engine.llm.get_metrics() if not m.labels.keys() - {"model_name", "engine"}
+               and hasattr(m, "value")}
+    assert metrics["vllm:kv_eviction_elastic_compressions"] == recorder.compress_calls >= len(recorder.compressed)
+    assert metrics["vllm:num_preemptions"] == len(recorder.preemptions)
     for preempted, excess in recorder.preemptions:
         assert all(tokens < BLOCK for tokens in excess.values()), f"{preempted} preempted while {excess}"
     assert engine.free_pages() == engine.total_pages()

@@ -243,7 +243,7 @@ class EvictRunnerMixin:
             self.evict_step = None
             return result
         step = self.evict_builder.build(self, plan, num_scheduled_tokens)
-        self.evict_compactions = step.compactions
+        self.evict_compactions = step.compactions if step is not None else []
         self.evict_step = step
         return result
 

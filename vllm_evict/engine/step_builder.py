@@ -76,7 +76,7 @@ class StepBuilder:
                                                             physical)
 
     # ---- the step plan -------------------------------------------------------------------------
-    def build(self, runner: Any, plan: EvictionPlan, num_scheduled: np.ndarray) -> BuiltStep:
+    def build(self, runner: Any, plan: EvictionPlan, num_scheduled: np.ndarray) -> BuiltStep | None:
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         num_tokens = int(num_scheduled[:num_reqs].sum())
@@ -105,6 +105,8 @@ class StepBuilder:
         every_step = np.array([p.needs_every_step for p in policies] + [False], dtype=bool)[policy_index]
         acting = (policy_index >= 0) & ((keep >= 0) | every_step)
         present = sorted(set(policy_index[policy_index >= 0].tolist()))
+        if not present:  # no request in the batch has eviction on: nothing to record, nothing to time
+            return None
         initializers, zero_states = state_initializers([policies[i] for i in present])
 
         record = self._record(runner, num_reqs, num_tokens, computed, scheduled)
