@@ -280,7 +280,7 @@ def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[st
                 start = time.perf_counter()
                 result = original_build(runner_, plan, scheduled)
                 current[0] += time.perf_counter() - start
-                built_tokens[0] = result.num_tokens
+                built_tokens[0] = result.num_tokens if result is not None else 0
                 return result
 
             built_tokens = [0]
