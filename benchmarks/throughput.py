@@ -5,7 +5,8 @@
     python benchmarks/throughput.py decode    # 16 x (256 + 512), eviction after every page of growth
     python benchmarks/throughput.py mixed     # passkey prompts and short chats, a pool at half the demand
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
-    python benchmarks/throughput.py all --json results.json
+    python benchmarks/throughput.py all --json results.json --plot modes.png
+    python benchmarks/throughput.py --replot results.json --plot modes.png   # redraw without measuring
 
 Every variant runs on a fresh engine (in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0) with the same
 settings except the eviction config; the variants take turns, ``--rounds`` times, so a slow spell of
@@ -249,6 +250,48 @@ def format_scenario(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---- the fixed / elastic picture (docs/engine.md) -------------------------------------------------
+MODE_SCENARIOS = ("spare", "tight", "mixed")
+
+
+def draw_modes(results: dict[str, Any], path: Path) -> Path:
+    """One panel per scenario: each variant's throughput relative to vanilla, with its preemptions and
+    elastic compressions (and passkey hits in the mixed workload) written on its bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [name for name in MODE_SCENARIOS if name in results]
+    if not shown:
+        raise ValueError(f"no scenario of {MODE_SCENARIOS} in the results: run them first")
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], shown):
+        out = results[name]
+        variants = list(out["results"])
+        ratios = [out["results"][v]["ratio"] for v in variants]
+        colors = ["#9e9e9e" if "vanilla" in v else "#1f77b4" if "elastic" in v else "#ff7f0e" for v in variants]
+        bars = ax.bar(range(len(variants)), ratios, color=colors)
+        for bar, v in zip(bars, variants):
+            r = out["results"][v]
+            label = f"{r['preemptions']} preempt.\n{r['compressions']} compr."
+            if out["scenario"]["passkeys"]:
+                label += f"\npasskey {r['passkey_hits']}/{out['scenario']['passkeys']}"
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(variants)), variants, rotation=25, ha="right", fontsize=8)
+        ax.set_ylim(0, max(ratios) * 1.35)
+        sc = out["scenario"]
+        ax.set_title(f"{name}: {sc['requests']} requests, pool {sc['pool_tokens']} tokens", fontsize=9)
+        ax.set_ylabel("total tokens/s, x vanilla")
+    fig.suptitle("fixed budget (orange) vs elastic (blue) vs vanilla vLLM (grey), SmolLM2-135M, CPU", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ---- host time of the hooks ------------------------------------------------------------------------
 def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[str, Any]:
     """Wall time spent in the eviction hooks (per-layer step and per-step builder) per decode step that
@@ -301,14 +344,23 @@ def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["spare", "tight", "decode", "mixed", "host", "all"])
+    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "host", "all"])
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")
     parser.add_argument("--host-batches", default="1,64")
     parser.add_argument("--host-steps", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the fixed/elastic picture (PNG) here")
+    parser.add_argument("--replot", type=Path, default=None, help="results JSON to draw --plot from, no measuring")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        if args.plot is None:
+            parser.error("--replot needs --plot PNG")
+        print(draw_modes(json.loads(args.replot.read_text()), args.plot))
+        return 0
+    if args.what is None:
+        parser.error("say what to measure: spare, tight, decode, mixed, host or all")
     model = model_path(args)
     import torch
     import vllm
@@ -336,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in out.get("results", {}).values():
                 r.pop("token_ids", None)
         args.json.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        print(draw_modes(results, args.plot))
     return 0
 
 
