@@ -764,6 +764,15 @@ def check_model_runner_output_extra_attribute(h: Host) -> None:
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, WORKER_REPORT_ATTR)
 
 
+def check_stats_only_step_goes_to_front_end_zero(h: Host) -> None:
+    """EvictScheduler._keep_stats_in_order moves the stats of a step without outputs from front end 0."""
+    source = source_of(f"{SCHEDULER}.update_from_output")
+    assert re.search(r"engine_core_outputs\[0\]\s*=\s*eco\s*=\s*EngineCoreOutputs\(\)", source) and re.search(
+        r"eco\.scheduler_stats\s*=\s*stats", source), (
+        f"vLLM changed {SCHEDULER}.update_from_output: the stats of a step without outputs no longer go to "
+        "front end 0 in a new EngineCoreOutputs (vllm_evict's scheduler keeps them with the previous front end)")
+
+
 def check_free_request_return_reaches_the_output(h: Host) -> None:
     source = source_of(f"{SCHEDULER}.update_from_output")
     assert re.search(r"kv_transfer_params\b[^=\n]*=\s*self\._free_request\(request\)", source) and re.search(

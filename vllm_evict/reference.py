@@ -90,7 +90,7 @@ class _Run:
         self.positions = torch.zeros(self.layers, *shape[:3], dtype=POSITION_DTYPE, device=self.device)
         self.states = {name: torch.zeros(self.layers, *shape[:3], device=self.device)
                        for name in (policy.state_names if policy else ())}
-        window = (policy.query_window or 0) if policy else 0
+        window = policy.window_for(config.budget if config is not None else None) if policy else 0
         self.window = window
         self.ring_positions = torch.full((2, window), -1, dtype=torch.int64, device=self.device) if window else None
         self.caches = [

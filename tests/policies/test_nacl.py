@@ -324,3 +324,24 @@ def test_smallest_valid_budget():
     inp = build(h_kv=1, group=1, n=30, w=10)
     part = cfg.build_policy().partition(with_budget(inp, 6))
     assert int(part.protected.sum()) == 5 and int(part.proxy_top.sum() + part.random.sum()) == 1
+
+
+def test_query_ring_is_as_wide_as_the_rule_can_reach_at_the_budget():
+    """The engine buffers window_for(budget) queries per request: the rule's n_p is at most
+    floor((B - sinks) / 2), so that is the width, not MAX_PROXY (1024 queries per request otherwise)."""
+    nacl = EvictionConfig.from_spec("nacl", budget=96).build_policy()
+    assert nacl.window_for(96) == (96 - 4) // 2
+    assert nacl.window_for(10_000) == NaCl.MAX_PROXY
+    assert nacl.window_for(None) == NaCl.MAX_PROXY == nacl.query_window
+    fixed = EvictionConfig.from_spec("nacl", budget=96, proxy=8).build_policy()
+    assert fixed.window_for(96) == fixed.window_for(None) == 8
+    snapkv = EvictionConfig.from_spec("snapkv", budget=96).build_policy()
+    assert snapkv.window_for(96) == snapkv.query_window
+
+
+def test_rule_never_needs_more_queries_than_the_ring_holds():
+    nacl = NaCl()
+    for budget in (9, 40, 96, 300, 2052, 5000):
+        for length in (16, 500, 4000, 100_000):
+            n_p = min(max(32, math.ceil(length / 10)), nacl._rule_cap(budget))
+            assert min(n_p, NaCl.MAX_PROXY) <= nacl.window_for(budget)

@@ -62,8 +62,9 @@ class EvictionBuffers:
         self.ring: Tensor | None = None
         self.ring_positions: Tensor | None = None
 
-    def ensure_policy(self, policy: Policy) -> bool:
-        """Allocate what ``policy`` needs (its states, a ring as wide as its window); True if anything new."""
+    def ensure_policy(self, policy: Policy, budget: int | None = None) -> bool:
+        """Allocate what ``policy`` needs at ``budget`` (its states, a ring as wide as its window there);
+        True if anything new."""
         g = self.geometry
         changed = False
         for name in policy.state_names:
@@ -71,7 +72,7 @@ class EvictionBuffers:
                 self.states[name] = torch.zeros(g.layers, g.num_pages, g.kv_heads, g.page_size,
                                                 dtype=torch.float32, device=g.device)
                 changed = True
-        window = policy.query_window or 0
+        window = policy.window_for(budget)
         if window > self.window:
             self._grow_ring(window)
             changed = True

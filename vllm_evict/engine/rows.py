@@ -51,7 +51,7 @@ class RowTable:
     FIELDS = ("evicted", "cached", "policy", "slot")
 
     def __init__(self, max_rows: int, server: dict[str, Any] | None, policies: PolicyTable,
-                 on_new_policy: Callable[[Policy], None] | None = None,
+                 on_new_policy: Callable[[EvictionConfig, Policy], None] | None = None,
                  on_new_slot: Callable[[int], None] | None = None) -> None:
         self.server = server
         self.policies = policies
@@ -85,7 +85,7 @@ class RowTable:
         known = len(self.policies)
         policy = -1 if config is None else self.policies.index_of(config)
         if len(self.policies) > known and self.on_new_policy is not None:
-            self.on_new_policy(self.policies.policies[-1])
+            self.on_new_policy(self.policies.configs[-1], self.policies.policies[-1])
         slot = self.slot_of.get(request_id)
         if slot is None:
             slot = self.slot_of[request_id] = self.free_slots.pop()

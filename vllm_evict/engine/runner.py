@@ -27,6 +27,7 @@ from torch import Tensor
 from vllm_evict.engine.buffers import EvictionBuffers, Geometry, ring_bytes
 from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
+from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
 from vllm_evict.engine.step_timer import StepTimer
@@ -126,20 +127,20 @@ class EvictRunnerMixin:
             original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
             impl.forward = self._make_hook(index, original)
         if self.evict_server is not None:
-            self._on_new_policy(self.evict_policies.policies[self.evict_policies.index_of(
-                _server_config(self.evict_server))])
+            server = _server_config(self.evict_server)
+            self._on_new_policy(server, self.evict_policies.policies[self.evict_policies.index_of(server)])
         from vllm_evict import csrc
 
         # Built (or found missing) now, not inside the first eviction's forward on every rank at once.
         if csrc.load_extension() is None and geometry.device.type == "cuda":
             logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
 
-    def _on_new_policy(self, policy: Policy) -> None:
-        """A policy not seen before: allocate its state buffers and ring width, and its weights."""
+    def _on_new_policy(self, config: EvictionConfig, policy: Policy) -> None:
+        """A config not seen before: allocate its policy's state buffers and ring width, and its weights."""
         buffers = self.evict_buffers
         if buffers is None:
             return
-        if buffers.ensure_policy(policy):
+        if buffers.ensure_policy(policy, config.budget):
             for cache in self.evict_layers:
                 cache.state = {name: buffer[cache.index] for name, buffer in buffers.states.items()}
                 cache.ring = buffers.ring[cache.index] if buffers.ring is not None else None
@@ -184,7 +185,8 @@ class EvictRunnerMixin:
         element = torch.tensor([], dtype=dtype).element_size()
         kv_per_token = layers * kv_heads * head_size * 2 * element
         ours_per_token = token_bytes(layers, kv_heads, MAX_STATES)
-        window = _server_config(self.evict_server).build_policy().query_window or 0
+        server = _server_config(self.evict_server)
+        window = server.build_policy().window_for(server.budget)
         rows = self.scheduler_config.max_num_seqs  # type: ignore[attr-defined]
         ring = ring_bytes(layers, rows, window, query_heads, head_size, element)
         share = int(max(available - ring, 0) * kv_per_token / (kv_per_token + ours_per_token))

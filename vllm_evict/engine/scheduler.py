@@ -57,6 +57,7 @@ class EvictScheduler(Scheduler):
         self.kv_cache_manager.eviction = self
         self.elastic = ElasticCompressor(self)
         self.accounting = EvictionAccounting(self.log_stats)  # metrics and per-request reports
+        self.stats_client = 0  # the front end that got the last SchedulerStats
 
     # ---- per-request configuration ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -142,6 +143,7 @@ class EvictScheduler(Scheduler):
                            **kwargs: Any) -> Any:
         self.accounting.observe_worker(worker_report_of(model_runner_output))  # before make_stats runs
         outputs = super().update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
+        self._keep_stats_in_order(outputs)
         self._report_unfinished(outputs)
         self._forget_gone_requests()
         return outputs
@@ -173,6 +175,23 @@ class EvictScheduler(Scheduler):
         report = self.accounting.finish(request.request_id, self.tokens_in_cache(request))
         kv_transfer_params, *rest = super()._free_request(request, *args, **kwargs)
         return (with_report(kv_transfer_params, report), *rest)
+
+    def _keep_stats_in_order(self, outputs: dict[int, Any]) -> None:
+        """Send the stats of a step without outputs to the front end that got the previous stats.
+
+        vLLM sends them to front end 0 then; with several API servers, the last step of a request (the
+        worker not yet told it finished) goes to that request's front end, the step after it (the worker
+        told) to front end 0, and the two processes may record them in either order: the gauges would
+        stay at the older values while the server is idle (Prometheus keeps the most recent write)."""
+        carrier = next((index for index, eco in outputs.items() if eco.scheduler_stats is not None), None)
+        if carrier is None:
+            return
+        eco = outputs[carrier]
+        stats_only = carrier == 0 and len(outputs) == 1 and not eco.outputs and not eco.finished_requests
+        if stats_only and self.stats_client != 0:
+            outputs[self.stats_client] = outputs.pop(0)
+        else:
+            self.stats_client = carrier
 
     def _report_unfinished(self, outputs: dict[int, Any]) -> None:
         """Reports on the outputs of unfinished requests that want one on every output."""

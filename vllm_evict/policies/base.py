@@ -218,6 +218,11 @@ class Policy(ABC):
         """
         return 0
 
+    def window_for(self, budget: int | None) -> int:
+        """Queries the engine must buffer for a request keeping ``budget`` tokens (None: any budget):
+        ``query_window`` unless the policy reads fewer at that budget. Sizes the query ring."""
+        return self.query_window or 0
+
     def protected_count(self, budget: int) -> int:
         """Tokens this policy always keeps; ``from_spec`` checks it fits in the budget."""
         return 0
@@ -331,6 +336,9 @@ class MetaPolicy(Policy):
     @property
     def query_window(self) -> int | None:
         return self.base.query_window
+
+    def window_for(self, budget: int | None) -> int:
+        return self.base.window_for(budget)
 
     def protected_count(self, budget: int) -> int:
         return self.base.protected_count(budget)

@@ -79,6 +79,12 @@ class NaCl(Policy):
     def query_window(self) -> int:
         return self.MAX_PROXY if self.proxy is None else self.proxy
 
+    def window_for(self, budget: int | None) -> int:
+        # The rule's n_p never exceeds floor((B - sinks) / 2): a ring that wide is all a request needs.
+        if self.proxy is not None or budget is None:
+            return self.query_window
+        return min(self.MAX_PROXY, max(1, self._rule_cap(budget)))
+
     def check_options(self) -> None:
         if self.proxy is not None:
             check_int("proxy", self.proxy, minimum=1)
