@@ -60,6 +60,9 @@ class Scenario:
     variants: list[Variant] = field(default_factory=list)
     targets: dict[str, float] = field(default_factory=dict)  # variant -> minimum ratio to vanilla
     passkeys: int = 0  # the first ``passkeys`` requests are passkey prompts (mixed workload), the rest random
+    # True: every variant gets a KV pool of ``pool_tokens`` (eviction's buffers come on top: measures the
+    # time eviction costs); False: every variant gets the same memory (eviction's buffers come out of it).
+    equal_pool: bool = False
 
 
 PAGE = 32
@@ -69,7 +72,7 @@ def scenarios() -> dict[str, Scenario]:
     spare_pool = 32 * (512 + 128) + 8 * PAGE
     return {
         "spare": Scenario(
-            "spare", requests=32, prompt=512, generate=128, pool_tokens=spare_pool, chunk=2048,
+            "spare", requests=32, prompt=512, generate=128, pool_tokens=spare_pool, chunk=2048, equal_pool=True,
             variants=[Variant("vanilla", None),
                       Variant("never evicts", {"policy": "snapkv", "budget": 4096}),
                       Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
@@ -85,6 +88,7 @@ def scenarios() -> dict[str, Scenario]:
             targets={"keydiff 448": 2.0, "elastic keydiff 448": 2.0}),
         "decode": Scenario(
             "decode", requests=16, prompt=256, generate=512, pool_tokens=16 * (256 + 512) + 8 * PAGE, chunk=2048,
+            equal_pool=True,
             variants=[Variant("vanilla", None),
                       Variant("snapkv 256, slack 1 page", {"policy": "snapkv", "budget": 256, "slack": PAGE})],
             targets={"snapkv 256, slack 1 page": 0.95}),
@@ -116,15 +120,37 @@ def token_bytes(model: str, dtype: str) -> int:
     return cfg.num_hidden_layers * cfg.num_key_value_heads * head * 2 * size
 
 
+def buffer_bytes(model: str, dtype: str, pool_tokens: int, eviction: dict[str, Any], max_seqs: int) -> int:
+    """Memory eviction's buffers take next to a KV pool of ``pool_tokens`` tokens (the worker's own rule,
+    ``EvictRunnerMixin.evict_kv_share``: the server policy's query ring, positions and states per token)."""
+    from transformers import AutoConfig
+
+    from vllm_evict.config import EvictionConfig
+    from vllm_evict.engine.buffers import MAX_STATES, ring_bytes
+    from vllm_evict.engine.buffers import token_bytes as state_bytes
+
+    cfg = AutoConfig.from_pretrained(model)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    config = EvictionConfig.from_mapping(eviction)
+    window = config.build_policy().window_for(config.budget)
+    ring = ring_bytes(cfg.num_hidden_layers, max_seqs, window, cfg.num_attention_heads, head, element)
+    return ring + pool_tokens * state_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, MAX_STATES)
+
+
 def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_seqs: int | None = None) -> Any:
     from vllm import LLM
 
     pool = variant.pool_tokens or scenario.pool_tokens
+    max_num_seqs = max_seqs or scenario.requests
+    memory = pool * token_bytes(model, dtype)
+    if scenario.equal_pool and variant.eviction is not None:
+        memory += buffer_bytes(model, dtype, pool, variant.eviction, max_num_seqs) + PAGE * token_bytes(model, dtype)
     kwargs: dict[str, Any] = dict(
         model=model, dtype=dtype, enforce_eager=True, block_size=PAGE, seed=0, enable_prefix_caching=False,
         max_model_len=max(scenario.prompt, 1024 if scenario.passkeys else 0) + scenario.generate + PAGE,
-        max_num_seqs=max_seqs or scenario.requests,
-        max_num_batched_tokens=scenario.chunk, kv_cache_memory_bytes=pool * token_bytes(model, dtype),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=scenario.chunk, kv_cache_memory_bytes=memory,
         disable_log_stats=True)
     if variant.eviction is not None:
         kwargs["additional_config"] = {"kv_eviction": variant.eviction}
@@ -236,7 +262,9 @@ def format_scenario(out: dict[str, Any]) -> str:
     if s["passkeys"]:
         shape = (f"{s['passkeys']} passkey prompts (~540 tokens) + {s['requests'] - s['passkeys']} x "
                  f"({s['prompt']} + {s['generate']}), all generating {s['generate']}")
-    lines = [f"## {s['name']}: {shape}, pool {s['pool_tokens']} tokens, chunk {s['chunk']}",
+    memory = ("every variant's KV pool holds the pool, eviction's buffers on top" if s.get("equal_pool")
+              else "every variant gets the memory of the pool, eviction's buffers out of it")
+    lines = [f"## {s['name']}: {shape}, pool {s['pool_tokens']} tokens ({memory}), chunk {s['chunk']}",
              "",
              "| variant | total tokens/s (median) | x vanilla | target | runs | preemptions | elastic compressions "
              "| pool pages | same tokens as vanilla |" + (" passkey hits |" if s["passkeys"] else ""),
