@@ -321,52 +321,66 @@ def draw_modes(results: dict[str, Any], path: Path) -> Path:
 
 
 # ---- host time of the hooks ------------------------------------------------------------------------
+# Two decode steps that evict nothing: every request far from its next eviction (the hooks record only
+# positions), and every request near it (its queries go to the observation-window ring each step:
+# budget 64 + slack 64 - window 63 = 65 tokens, below every decode length, and no request of
+# 64 + 64 tokens reaches the 128 that would evict: the last generated token is never computed).
+HOST_CASES = {"far from eviction": {"policy": "snapkv", "budget": 4096},
+              "recording queries": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64}}
+
+
 def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[str, Any]:
     """Wall time spent in the eviction hooks (per-layer step and per-step builder) per decode step that
-    evicts nothing, at each batch size: the engine is instrumented from outside, nothing else changes."""
+    evicts nothing, per case of ``HOST_CASES`` and batch size: the engine is instrumented from outside,
+    nothing else changes."""
+    out = {}
+    for case, eviction in HOST_CASES.items():
+        for batch in batches:
+            out[f"{case}, batch {batch}"] = dict(case=case, batch=batch,
+                                                 **_hooks_time(model, dtype, batch, steps, eviction))
+    return out
+
+
+def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    out = {}
-    for batch in batches:
-        scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=batch * (64 + steps + PAGE) + 4 * PAGE,
-                            chunk=max(2048, 64 * batch))
-        variant = Variant("snapkv, never evicts", {"policy": "snapkv", "budget": 4096})
-        llm = make_llm(model, dtype, scenario, variant)
-        try:
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-            spent: list[float] = []
-            decode_steps: list[float] = []
-            original_layer, original_build = runner._evict_layer, runner.evict_builder.build
-            current = [0.0]
+    scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=batch * (64 + steps + PAGE) + 4 * PAGE,
+                        chunk=max(2048, 64 * batch), equal_pool=True)  # a time, not a memory, comparison
+    llm = make_llm(model, dtype, scenario, Variant("host", eviction))
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        spent: list[float] = []
+        original_layer, original_build = runner._evict_layer, runner.evict_builder.build
+        current = [0.0]
+        built_tokens = [0]
+        evicted = [0]
 
-            def layer(*args: Any) -> None:
-                start = time.perf_counter()
-                original_layer(*args)
-                current[0] += time.perf_counter() - start
-
-            def build(runner_: Any, plan: Any, scheduled: Any) -> Any:
-                if current[0] and built_tokens[0] == batch:
-                    spent.append(current[0])
-                current[0] = 0.0
-                start = time.perf_counter()
-                result = original_build(runner_, plan, scheduled)
-                current[0] += time.perf_counter() - start
-                built_tokens[0] = result.num_tokens if result is not None else 0
-                return result
-
-            built_tokens = [0]
-            runner._evict_layer, runner.evict_builder.build = layer, build
-            vocab = llm.llm_engine.model_config.get_vocab_size()
-            params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        def layer(*args: Any) -> None:
             start = time.perf_counter()
-            llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
-            decode_steps.append(time.perf_counter() - start)
-            out[str(batch)] = dict(hooks_ms_per_step_median=1e3 * statistics.median(spent),
-                                   hooks_ms_per_step_p90=1e3 * sorted(spent)[int(0.9 * (len(spent) - 1))],
-                                   steps=len(spent), layers=len(runner.evict_layers))
-        finally:
-            close(llm)
-    return out
+            original_layer(*args)
+            current[0] += time.perf_counter() - start
+
+        def build(runner_: Any, plan: Any, scheduled: Any) -> Any:
+            if current[0] and built_tokens[0] == batch:
+                spent.append(current[0])
+            current[0] = 0.0
+            start = time.perf_counter()
+            result = original_build(runner_, plan, scheduled)
+            current[0] += time.perf_counter() - start
+            built_tokens[0] = result.num_tokens if result is not None else 0
+            evicted[0] += len(result.compactions) if result is not None else 0
+            return result
+
+        runner._evict_layer, runner.evict_builder.build = layer, build
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
+        assert evicted[0] == 0, f"the host-time case {eviction} evicted {evicted[0]} times"
+        return dict(hooks_ms_per_step_median=1e3 * statistics.median(spent),
+                    hooks_ms_per_step_p90=1e3 * sorted(spent)[int(0.9 * (len(spent) - 1))],
+                    steps=len(spent), layers=len(runner.evict_layers))
+    finally:
+        close(llm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,10 +416,10 @@ def main(argv: list[str] | None = None) -> int:
             batches = [int(b) for b in args.host_batches.split(",")]
             results["host"] = host_time(model, args.dtype, batches, args.host_steps)
             print("## host time of the eviction hooks per decode step (nothing evicted)\n")
-            print("| batch | ms per step (median) | p90 | steps | layers |\n|---|---|---|---|---|")
-            for batch, r in results["host"].items():
-                print(f"| {batch} | {r['hooks_ms_per_step_median']:.3f} | {r['hooks_ms_per_step_p90']:.3f} | "
-                      f"{r['steps']} | {r['layers']} |")
+            print("| case | batch | ms per step (median) | p90 | steps | layers |\n|---|---|---|---|---|---|")
+            for r in results["host"].values():
+                print(f"| {r['case']} | {r['batch']} | {r['hooks_ms_per_step_median']:.3f} | "
+                      f"{r['hooks_ms_per_step_p90']:.3f} | {r['steps']} | {r['layers']} |")
         else:
             out = run_scenario(model, args.dtype, scenarios()[name], args.rounds)
             results[name] = out

@@ -123,15 +123,19 @@ class StepPlan:
 
 # ---- building a step (host side, once per step) ---------------------------------------------------
 def ring_entries(token_rows: np.ndarray, slots: np.ndarray, in_row: np.ndarray, counts: np.ndarray,
-                 computed: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray | None]:
+                 computed: np.ndarray, window: int,
+                 recording: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(flat ring entries, tokens): the last W tokens of each row go to slot * W + position % W (earlier
     ones would be overwritten in the same write, so they are not written at all); ``tokens`` lists the
-    tokens written, or is None when that is every token (a decode step).
+    tokens written, or is None when that is every token (a decode step where every row records).
 
     token_rows, in_row [T]: each token's row and index within the row's tokens of this step;
-    slots, counts, computed [rows]: each row's ring slot, tokens this step and logical tokens before it."""
+    slots, counts, computed [rows]: each row's ring slot, tokens this step and logical tokens before it;
+    recording [rows]: the rows whose queries are needed (None: all, ``schedule.queries_needed_above``)."""
     position = computed[token_rows] + in_row
     recent = in_row >= counts[token_rows] - window
+    if recording is not None:
+        recent &= recording[token_rows]
     entries = slots[token_rows] * window + position % window
     if recent.all():
         return entries, None

@@ -38,6 +38,26 @@ def eviction_target(*, phys_after: int, phase: Phase, budget: int, schedule: str
     return None
 
 
+NEVER_RECORD = 2**62  # a physical length no request reaches
+
+
+def queries_needed_above(config: "EvictionConfig | None", *, page_size: int, window: int) -> int:
+    """Physical length after a decode step above which the worker must record that step's queries in
+    the observation-window ring (``window`` entries per request); below it they would be overwritten
+    before any eviction reads them.
+
+    A fixed-mode request evicts while decoding only when it reaches budget + slack (``eviction_target``),
+    and the last ``window`` queries of that step come from steps that left more than budget + slack -
+    window tokens: the length grows by at most one token per query, and an eviction inside the window
+    (possible only when slack < window) drops it to budget, which is above that line. Elastic requests can be compressed at
+    any step (-1: always record); requests without eviction or without a window never."""
+    if config is None or window <= 0:
+        return NEVER_RECORD
+    if config.elastic:
+        return -1
+    return config.budget + config.slack_for(page_size) - window
+
+
 def physical_bound(*, prompt_len: int, max_new_tokens: int, budget: int | None, schedule: str | None,
                    slack: int, chunk: int, replayed: int = 0) -> int:
     """Most tokens a request holds in cache at once (``budget`` None: eviction off for it).

@@ -281,6 +281,8 @@ class EvictRunnerMixin:
 
     def _evict_layer(self, index: int, layer: Any, step: BuiltStep, query: Tensor, key: Tensor,
                      value: Tensor) -> None:
+        if not step.layer_work:  # a decode step far from any eviction: nothing per layer
+            return
         cache = self.evict_layers[index]
         record_layer(cache, step.plan, step.initializers, query, key, value)
         if step.plan.groups:

@@ -21,6 +21,7 @@ from vllm_evict.evict_step import (
     Group, Record, StepPlan, build_group, evict_layer, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.policies.base import Phase, Policy
+from vllm_evict.schedule import NEVER_RECORD, queries_needed_above
 
 PHASES = (Phase.PREFILL, Phase.PROMPT_END, Phase.DECODE)
 
@@ -42,6 +43,12 @@ class BuiltStep:
     compactions: list[Compaction]
     rows: dict[str, int]  # request id -> row, for the requests of a group (records, tests)
 
+    @property
+    def layer_work(self) -> bool:
+        """Whether the per-layer hook has anything to do (queries to record, states to compute, rows to
+        look at); most decode steps far from any eviction have none."""
+        return self.plan.record.ring_index is not None or bool(self.initializers) or bool(self.plan.groups)
+
 
 def phase_codes(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray) -> np.ndarray:
     """Index into PHASES per row, as ``vllm_evict.schedule.phase_of`` decides it."""
@@ -56,6 +63,19 @@ class StepBuilder:
         self.page_size = buffers.geometry.page_size
         # Persistent per-row buffer of evicted counts on the device, refilled (not reallocated) per step.
         self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
+        self._record_above: tuple[tuple[int, int], np.ndarray] | None = None  # see ``record_above``
+
+    def record_above(self) -> np.ndarray:
+        """Per policy index (and -1, eviction off, last): ``queries_needed_above`` at the ring's width;
+        recomputed only when a policy is added or the ring grows."""
+        configs, window = self.rows.policies.configs, self.buffers.window
+        key = (len(configs), window)
+        if self._record_above is None or self._record_above[0] != key:
+            above = [queries_needed_above(c, page_size=self.page_size, window=window)
+                     if p.window_for(c.budget) > 0 else NEVER_RECORD  # no window: its queries are never read
+                     for c, p in zip(configs, self.rows.policies.policies)]
+            self._record_above = key, np.array([*above, NEVER_RECORD], dtype=np.int64)
+        return self._record_above[1]
 
     # ---- physical lengths ------------------------------------------------------------------------
     def make_lengths_physical(self, runner: Any, num_reqs: int, num_tokens: int) -> None:
@@ -109,14 +129,16 @@ class StepBuilder:
             return None
         initializers, zero_states = state_initializers([policies[i] for i in present])
 
-        record = self._record(runner, num_reqs, num_tokens, computed, scheduled)
+        prompt = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
+        record = self._record(runner, num_reqs, num_tokens, computed, scheduled,
+                              recording=self._recording(policy_index, computed, prompt, cached_after))
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
                         zero_states=zero_states)
         record_step(self.buffers.positions, self.buffers.states, step)
 
         rows_by_id: dict[str, int] = {}
         if acting.any():
-            phase = phase_codes(computed, scheduled, batch.num_prompt_tokens[:num_reqs].astype(np.int64))
+            phase = phase_codes(computed, scheduled, prompt)
             key = (policy_index * 3 + phase) * 2 + (keep >= 0)
             for k in np.unique(key[acting]):
                 rows = np.nonzero(acting & (key == k))[0]
@@ -127,14 +149,21 @@ class StepBuilder:
         return BuiltStep(plan=step, initializers=initializers, num_tokens=num_tokens, compactions=compactions,
                          rows=rows_by_id)
 
+    def _recording(self, policy_index: np.ndarray, computed: np.ndarray, prompt: np.ndarray,
+                   cached_after: np.ndarray) -> np.ndarray:
+        """Rows whose queries of this step go to the ring: prompt steps of eviction-on rows, and decode
+        steps once the row is near enough to its next eviction (``schedule.queries_needed_above``)."""
+        above = self.record_above()[policy_index]  # index -1 picks NEVER_RECORD
+        return ((computed < prompt) & (above < NEVER_RECORD)) | (cached_after > above)
+
     def _record(self, runner: Any, num_reqs: int, num_tokens: int, computed: np.ndarray,
-                scheduled: np.ndarray) -> Record:
+                scheduled: np.ndarray, recording: np.ndarray) -> Record:
         slots = runner.input_batch.block_table[0].slot_mapping.gpu[:num_tokens]
         ring_index = ring_tokens = None
-        if self.buffers.window:
+        if self.buffers.window and recording.any():
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
             entries, tokens = ring_entries(token_rows, self.rows.slot[:num_reqs], runner.query_pos.np[:num_tokens],
-                                           scheduled, computed, self.buffers.window)
+                                           scheduled, computed, self.buffers.window, recording)
             ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
             if tokens is not None:
                 ring_tokens = torch.from_numpy(tokens).to(self.device, non_blocking=True)

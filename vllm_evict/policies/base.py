@@ -252,19 +252,14 @@ class Policy(ABC):
         """Finite, non-negative attention-like mass [R, H_kv, N] (only for ``is_attention_mass`` policies)."""
         raise NotImplementedError(f"{self.name} has no attention-mass score")
 
-    def ranking_mass(self, inp: EvictionInputs) -> Tensor:
-        """The attention mass this policy ranks its unprotected tokens by: its ``scores`` before protection,
-        [R, H_kv, N]. CriticalKV's stage 1 reads this; CAOTE reads ``attention_mass``. They differ where
-        the method's own ranking is not the per-KV-head output weight CAOTE needs (SnapKV, TOVA)."""
-        return self.attention_mass(inp)
-
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         """How many softmax rows ``attention_mass`` adds up, per row [R] (each row sums to 1 per query
         head and is averaged over the group): CriticalKV divides by it to get a mean attention."""
         raise NotImplementedError(f"{self.name} has no attention-mass score")
 
     def ranking_mass(self, inp: EvictionInputs) -> Tensor:
-        """The attention mass this policy ranks its unprotected tokens by: its ``scores`` before protection.
+        """The attention mass this policy ranks its unprotected tokens by: its ``scores`` before protection,
+        [R, H_kv, N].
 
         CriticalKV's stage 1 reads this; CAOTE reads ``attention_mass``. They differ where the method's
         own ranking is not the per-KV-head output weight CAOTE needs (SnapKV, TOVA); default: the same.
