@@ -31,16 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from vllm_evict.testing import use_offline_cpu_env  # noqa: E402
+
+use_offline_cpu_env()
 
 PAGE = 32
 DOCS_IMG = REPO / "docs" / "img"

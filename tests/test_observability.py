@@ -3,13 +3,12 @@ pictures from measured data (here a small hand-made data set: the drawing only, 
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.scripts import loaded_script
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,11 +25,7 @@ def test_the_docs_table_lists_every_metric_and_no_other() -> None:
 
 def test_plots_are_drawn_from_the_data(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("bench_plots", REPO / "benchmarks" / "plots.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("benchmarks/plots.py", "bench_plots") as module:
         run = {"steps": 3, "seconds": 1.0, "pages": {"prompt 300": [10, 10, 2], "prompt 700": [0, 22, 4]}}
         point = {"concurrency": 1, "seconds": 1.0, "generated": 10, "tokens_per_s": 10.0, "most_running": 1,
                  "preemptions": 0}
@@ -39,8 +34,6 @@ def test_plots_are_drawn_from_the_data(tmp_path: Path) -> None:
                 "pages_over_time": {"plain": run, "evict": run},
                 "throughput": {"plain": [point], "evict": [{**point, "tokens_per_s": 12.0}]}}
         paths = module.draw(data, tmp_path)
-    finally:
-        sys.modules.pop(spec.name, None)
     assert [p.name for p in paths] == [module.PAGES_PNG, module.THROUGHPUT_PNG]
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.scripts import loaded_script
 
 
-def load_throughput():
-    spec = importlib.util.spec_from_file_location("bench_throughput", REPO / "benchmarks" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def bench():
+    with loaded_script("benchmarks/throughput.py", "bench_throughput") as module:
+        yield module
 
 
 def result(ratio: float, preemptions: int, compressions: int, hits: int = 0) -> dict:
     return dict(ratio=ratio, preemptions=preemptions, compressions=compressions, passkey_hits=hits)
 
 
-def test_modes_picture_is_drawn_from_results(tmp_path: Path) -> None:
-    bench = load_throughput()
+def test_modes_picture_is_drawn_from_results(bench, tmp_path: Path) -> None:
     results = {
         "tight": {"scenario": {"requests": 8, "pool_tokens": 4096, "passkeys": 0},
                   "results": {"vanilla": result(1.0, 6, 0), "keydiff 448": result(2.2, 0, 0),
@@ -35,7 +30,6 @@ def test_modes_picture_is_drawn_from_results(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-def test_modes_picture_needs_a_scenario(tmp_path: Path) -> None:
-    bench = load_throughput()
+def test_modes_picture_needs_a_scenario(bench, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no scenario of \('spare', 'tight', 'mixed'\) in the results"):
         bench.draw_modes({"host": {}}, tmp_path / "modes.png")

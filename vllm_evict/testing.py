@@ -32,3 +32,22 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, heads: int = 4, 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
     return directory
+
+
+# vLLM in this process, on CPU, offline (no model hub), quiet: what the CPU benchmarks run under.
+OFFLINE_CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def use_offline_cpu_env() -> None:
+    """Default ``OFFLINE_CPU_ENV`` into ``os.environ`` (values already set win); call before importing vLLM."""
+    import os
+
+    for name, value in OFFLINE_CPU_ENV.items():
+        os.environ.setdefault(name, value)

@@ -6,19 +6,17 @@ About 15 s on a 2-core machine, most of it the smoke run (Triton kernels in the 
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.scripts import loaded_script
 from vllm_evict import dense, ops, paged
 from vllm_evict.config import EvictionConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "kernels.py"
 DOC = ROOT / "docs" / "benchmarks" / "kernels.md"
 # Columns that hold measurements (times, rates, ratios, verdicts): never filled by a dry run.
 MEASURED = re.compile(r"\(us\)|GB/s|of copy|TFLOP/s|/ attention|/ floor|>= 70%|target")
@@ -27,14 +25,8 @@ NUMBER = re.compile(r"^[0-9][0-9,]*(\.[0-9]+)?(e[-+][0-9]+)?%?$")
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("benchmarks/kernels.py", "bench_kernels") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:

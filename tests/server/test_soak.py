@@ -4,31 +4,24 @@ quiet 2-core machine (start-up included); the 1000-request run with SmolLM2 is i
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
+from tests.scripts import loaded_script
+
 pytest.importorskip("vllm", reason="the soak needs vLLM (make install)")
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 @pytest.fixture(scope="module")
 def soak() -> Iterator[Any]:
-    spec = importlib.util.spec_from_file_location("bench_soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script("benchmarks/soak.py", "bench_soak") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_workload_has_every_kind_of_request(soak: Any) -> None:
