@@ -191,9 +191,17 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
                      use_tqdm=False)  # warm-up
         preempted = _count_preemptions(core.scheduler)
         compressed = _count_compressions(core.scheduler)
+        steps = _time_steps(core)
         start = time.perf_counter()
         outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        timed = list(steps)
+        steps.clear()
+        if variant.eviction is None:  # vanilla: the decode step of a short request (speedup_ceiling)
+            rng = random.Random(98)
+            llm.generate([{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(PROBE_PROMPT)]}],
+                         SamplingParams(max_tokens=PROBE_DECODE + 1, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         assert generated == scenario.requests * scenario.generate, "the engine stopped early"
         tokens = sum(len(o.prompt_token_ids) for o in outputs) + generated
@@ -201,7 +209,7 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         hits = sum(key in o.outputs[0].text for key, o in zip(keys, outputs))
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
-                    compressions=compressed(), passkey_hits=hits,
+                    compressions=compressed(), passkey_hits=hits, steps=timed, probe_steps=list(steps),
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
         close(llm)
@@ -234,12 +242,73 @@ def _count_compressions(scheduler: Any):
     return lambda: count[0]
 
 
+@dataclass
+class StepTime:
+    seconds: float  # one engine step: schedule, forward, sampling, update
+    tokens: int  # tokens the step computed, all requests together
+    requests: int
+    fresh: bool  # the step's requests were all scheduled for the first time (nothing of theirs cached)
+
+
+def _time_steps(core: Any) -> list[StepTime]:
+    """Every engine step from now on, timed whole."""
+    steps: list[StepTime] = []
+    last: list[Any] = [None]
+    schedule, step_fn = core.scheduler.schedule, core.step_fn
+
+    def scheduled(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        last[0] = output
+        return output
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        last[0] = None
+        start = time.perf_counter()
+        result = step_fn(*args, **kwargs)
+        output = last[0]
+        if output is not None and output.total_num_scheduled_tokens:
+            new = {r.req_id for r in output.scheduled_new_reqs}
+            steps.append(StepTime(time.perf_counter() - start, output.total_num_scheduled_tokens,
+                                  len(output.num_scheduled_tokens), set(output.num_scheduled_tokens) <= new))
+        return result
+
+    core.scheduler.schedule, core.step_fn = scheduled, timed
+    return steps
+
+
+PROBE_PROMPT, PROBE_DECODE = 64, 16  # vanilla's short request after its timed run
+
+
+def speedup_ceiling(scenario: Scenario, seconds: float, steps: list[StepTime],
+                    probe: list[StepTime]) -> dict[str, float] | None:
+    """The most any variant can gain over a vanilla run of ``seconds`` whose engine steps were ``steps``.
+    Eviction shortens attention, never the model's other layers: every variant still runs all prompt
+    tokens through them, in steps of at most one chunk, at no less per token than a chunk step with
+    nothing cached (vanilla's first chunk of a request); and the request whose prompt finishes last still
+    decodes ``generate - 1`` tokens in steps of their own, each costing at least a decode step of one
+    request with a shorter cache than any variant keeps (``probe``: vanilla's short request after its
+    timed ``steps``). None when vanilla's steps never computed one chunk alone (they shared every step)."""
+    fresh = [s.seconds for s in steps if s.fresh and s.requests == 1 and s.tokens == scenario.chunk]
+    decode = [s.seconds for s in probe if not s.fresh and s.requests == 1 and s.tokens == 1]
+    if not fresh or not decode:
+        return None
+    chunk_s, decode_s = statistics.median(fresh), statistics.median(decode)
+    floor = scenario.requests * scenario.prompt / scenario.chunk * chunk_s + (scenario.generate - 1) * decode_s
+    return dict(ceiling=seconds / floor, vanilla_s=seconds, floor_s=floor, chunk_step_s=chunk_s,
+                decode_step_s=decode_s)
+
+
 def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {v.name: [] for v in scenario.variants}
     for _ in range(rounds):
         for variant in scenario.variants:
             results[variant.name].append(run_variant(model, dtype, scenario, variant))
     base = statistics.median(r["tokens_per_s"] for r in results["vanilla"])
+    ceilings = [c for r in results["vanilla"]
+                if (c := speedup_ceiling(scenario, r["seconds"], r["steps"], r["probe_steps"]))]
+    for runs in results.values():
+        for r in runs:
+            r.pop("steps"), r.pop("probe_steps")
     summary = {}
     for variant in scenario.variants:
         runs = results[variant.name]
@@ -250,7 +319,9 @@ def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dic
             preemptions=runs[0]["preemptions"], pool_pages=runs[0]["pool_pages"], same_tokens_as_vanilla=same,
             compressions=runs[0]["compressions"], passkey_hits=runs[0]["passkey_hits"],
             target=scenario.targets.get(variant.name))
-    return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary)
+    ceiling = min(ceilings, key=lambda c: c["ceiling"]) if ceilings else None
+    return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary,
+                ceiling=ceiling)
 
 
 def format_scenario(out: dict[str, Any]) -> str:
@@ -272,6 +343,12 @@ def format_scenario(out: dict[str, Any]) -> str:
                      f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
                      + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
+    if (c := out.get("ceiling")) is not None:
+        lines += ["", f"Ceiling on any variant's ratio to vanilla in this run: **{c['ceiling']:.2f}x** (vanilla's "
+                  f"{c['vanilla_s']:.1f} s over a floor of {c['floor_s']:.1f} s = {s['requests']} x "
+                  f"{s['prompt']} prompt tokens / chunk {s['chunk']} x {1e3 * c['chunk_step_s']:.0f} ms, a chunk step "
+                  f"with nothing cached, + {s['generate'] - 1} x {1e3 * c['decode_step_s']:.1f} ms, a decode step of "
+                  f"one {PROBE_PROMPT}-token request: eviction shortens attention, not the other layers)."]
     return "\n".join(lines)
 
 
@@ -281,7 +358,8 @@ MODE_SCENARIOS = ("spare", "tight", "mixed")
 
 def draw_modes(results: dict[str, Any], path: Path) -> Path:
     """One panel per scenario: each variant's throughput relative to vanilla, with its preemptions and
-    elastic compressions (and passkey hits in the mixed workload) written on its bar."""
+    elastic compressions (and passkey hits in the mixed workload) written on its bar, and the ceiling
+    no variant can pass where the run measured one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,8 +382,14 @@ def draw_modes(results: dict[str, Any], path: Path) -> Path:
                 label += f"\npasskey {r['passkey_hits']}/{out['scenario']['passkeys']}"
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8)
+        top = max(ratios)
+        if (ceiling := out.get("ceiling")) is not None:  # speedup_ceiling: no variant can pass it
+            ax.axhline(ceiling["ceiling"], color="black", linewidth=0.8, linestyle="--")
+            ax.text(len(variants) - 0.5, ceiling["ceiling"], f"ceiling {ceiling['ceiling']:.2f}x", ha="right",
+                    va="bottom", fontsize=7)
+            top = max(top, ceiling["ceiling"])
         ax.set_xticks(range(len(variants)), variants, rotation=25, ha="right", fontsize=8)
-        ax.set_ylim(0, max(ratios) * 1.35)
+        ax.set_ylim(0, top * 1.35)
         sc = out["scenario"]
         ax.set_title(f"{name}: {sc['requests']} requests, pool {sc['pool_tokens']} tokens", fontsize=9)
         ax.set_ylabel("total tokens/s, x vanilla")
@@ -322,8 +406,9 @@ def draw_modes(results: dict[str, Any], path: Path) -> Path:
 # positions), and every request near it (its queries go to the observation-window ring each step:
 # budget 64 + slack 64 - window 63 = 65 tokens, below every decode length, and no request of
 # 64 + 64 tokens reaches the 128 that would evict: the last generated token is never computed).
+RECORDING = "recording queries"
 HOST_CASES = {"far from eviction": {"policy": "snapkv", "budget": 4096},
-              "recording queries": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64}}
+              RECORDING: {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64}}
 
 
 def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[str, Any]:
@@ -334,11 +419,32 @@ def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[st
     for case, eviction in HOST_CASES.items():
         for batch in batches:
             out[f"{case}, batch {batch}"] = dict(case=case, batch=batch,
-                                                 **_hooks_time(model, dtype, batch, steps, eviction))
+                                                 **_hooks_time(model, dtype, batch, steps, eviction, case == RECORDING))
     return out
 
 
-def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[str, Any]) -> dict[str, Any]:
+def ring_copy_floor_ms(ring: Any, rows: int, repeats: int = 64) -> float:
+    """What the queries a decode step records cost at the least on this machine: the median time of
+    copying ``rows`` queries per layer into a buffer the size of ``ring`` ([L, slots, W, H, d]), one
+    contiguous block per layer (the real writes are scattered, one entry per request: slower)."""
+    import torch
+
+    layers, width = ring.shape[0], ring.shape[-2] * ring.shape[-1]
+    target = torch.ones_like(ring).view(layers, -1, width)
+    source = torch.randn(rows, width, dtype=ring.dtype)
+    blocks = target.shape[1] // rows
+    times = []
+    for step in range(repeats):
+        block = slice((step % blocks) * rows, (step % blocks + 1) * rows)
+        start = time.perf_counter()
+        for layer in range(layers):
+            target[layer, block].copy_(source)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[str, Any],
+                records: bool) -> dict[str, Any]:
     from vllm import SamplingParams
 
     scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=batch * (64 + steps + PAGE) + 4 * PAGE,
@@ -373,7 +479,9 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
         assert evicted[0] == 0, f"the host-time case {eviction} evicted {evicted[0]} times"
-        return dict(hooks_ms_per_step_median=1e3 * statistics.median(spent),
+        ring = runner.evict_buffers.ring
+        return dict(copy_floor_ms=ring_copy_floor_ms(ring, batch) if records else None,
+                    hooks_ms_per_step_median=1e3 * statistics.median(spent),
                     hooks_ms_per_step_p90=1e3 * sorted(spent)[int(0.9 * (len(spent) - 1))],
                     steps=len(spent), layers=len(runner.evict_layers))
     finally:
@@ -413,10 +521,12 @@ def main(argv: list[str] | None = None) -> int:
             batches = [int(b) for b in args.host_batches.split(",")]
             results["host"] = host_time(model, args.dtype, batches, args.host_steps)
             print("## host time of the eviction hooks per decode step (nothing evicted)\n")
-            print("| case | batch | ms per step (median) | p90 | steps | layers |\n|---|---|---|---|---|---|")
+            print("| case | batch | ms per step (median) | p90 | steps | layers | contiguous copy of the queries "
+                  "(ms) |\n|---|---|---|---|---|---|---|")
             for r in results["host"].values():
+                floor = f"{r['copy_floor_ms']:.3f}" if r["copy_floor_ms"] is not None else ""
                 print(f"| {r['case']} | {r['batch']} | {r['hooks_ms_per_step_median']:.3f} | "
-                      f"{r['hooks_ms_per_step_p90']:.3f} | {r['steps']} | {r['layers']} |")
+                      f"{r['hooks_ms_per_step_p90']:.3f} | {r['steps']} | {r['layers']} | {floor} |")
         else:
             out = run_scenario(model, args.dtype, scenarios()[name], args.rounds)
             results[name] = out

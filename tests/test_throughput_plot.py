@@ -23,7 +23,8 @@ def test_modes_picture_is_drawn_from_results(bench, tmp_path: Path) -> None:
     results = {
         "tight": {"scenario": {"requests": 8, "pool_tokens": 4096, "passkeys": 0},
                   "results": {"vanilla": result(1.0, 6, 0), "keydiff 448": result(2.2, 0, 0),
-                              "elastic keydiff 448": result(2.3, 0, 12)}},
+                              "elastic keydiff 448": result(2.3, 0, 12)},
+                  "ceiling": {"ceiling": 2.6}},  # drawn as a dashed line
         "host": {"1": {}},  # not part of the picture
     }
     path = bench.draw_modes(results, tmp_path / "modes.png")

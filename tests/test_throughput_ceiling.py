@@ -1,0 +1,51 @@
+"""benchmarks/throughput.py times every engine step of a run and bounds what any variant can gain over
+vanilla from vanilla's own step times (the ceiling printed under the tight table)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.scripts import loaded_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with loaded_script("benchmarks/throughput.py", "bench_throughput_ceiling") as module:
+        yield module
+
+
+def test_ceiling_is_vanilla_time_over_the_prompt_and_decode_floor(bench) -> None:
+    scenario = bench.Scenario("t", requests=4, prompt=1000, generate=11, pool_tokens=4096, chunk=500)
+    step = bench.StepTime
+    steps = [step(0.50, 500, 1, True), step(0.70, 500, 1, False),  # a fresh chunk, a chunk with context
+             step(0.54, 500, 1, True), step(0.40, 400, 1, True),  # a shorter fresh chunk does not count
+             step(0.09, 1, 1, False),  # a long request's decode step: not the probe's
+             step(0.01, 2, 2, False), step(0.30, 501, 2, False)]  # steps shared by two requests
+    probe = [step(0.05, 64, 1, True), step(0.02, 1, 1, False), step(0.03, 1, 1, False), step(0.04, 1, 1, False)]
+    c = bench.speedup_ceiling(scenario, 30.0, steps, probe)
+    floor = 4 * 1000 / 500 * 0.52 + 10 * 0.03  # median fresh chunk step, median decode step of the probe
+    assert c["chunk_step_s"] == pytest.approx(0.52) and c["decode_step_s"] == pytest.approx(0.03)
+    assert c["floor_s"] == pytest.approx(floor) and c["ceiling"] == pytest.approx(30.0 / floor)
+    assert c["vanilla_s"] == 30.0
+    # Without a step of either kind there is no floor to measure.
+    assert bench.speedup_ceiling(scenario, 30.0, [s for s in steps if not s.fresh], probe) is None
+    assert bench.speedup_ceiling(scenario, 30.0, steps, probe[:1]) is None
+
+
+def test_every_engine_step_of_a_run_is_timed(bench, smollm2_path) -> None:
+    # Two 64-token prompts through a 64-token chunk: the first step computes one prompt alone with nothing
+    # cached; every step is seen, so the steps' tokens add up to each request's prompt and all but its
+    # last generated token. The probe after the timed run (vanilla only) is timed apart from it.
+    scenario = bench.Scenario("t", requests=2, prompt=64, generate=4, pool_tokens=2048, chunk=64)
+    run = bench.run_variant(str(smollm2_path), "float32", scenario, bench.Variant("vanilla", None))
+    steps = run["steps"]
+    assert sum(s.tokens for s in steps) == 2 * (64 + 4 - 1)
+    assert (steps[0].tokens, steps[0].requests, steps[0].fresh) == (64, 1, True)
+    assert not any(s.fresh for s in steps[1:]), [(s.tokens, s.requests, s.fresh) for s in steps]
+    assert all(s.seconds > 0 for s in steps)
+    probe = run["probe_steps"]
+    assert sum(s.tokens for s in probe) == bench.PROBE_PROMPT + bench.PROBE_DECODE
+    assert [(s.tokens, s.requests) for s in probe if not s.fresh] == [(1, 1)] * bench.PROBE_DECODE
+    evicting = bench.run_variant(str(smollm2_path), "float32", scenario,
+                                 bench.Variant("keydiff", {"policy": "keydiff", "budget": 32}))
+    assert evicting["probe_steps"] == [] and sum(s.tokens for s in evicting["steps"]) == 2 * (64 + 4 - 1)
