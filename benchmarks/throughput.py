@@ -190,7 +190,6 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)  # warm-up
         preempted = _count_preemptions(core.scheduler)
-        compressed = _count_compressions(core.scheduler)
         steps = _time_steps(core)
         start = time.perf_counter()
         outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
@@ -209,7 +208,8 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         hits = sum(key in o.outputs[0].text for key, o in zip(keys, outputs))
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
-                    compressions=compressed(), passkey_hits=hits, steps=timed, probe_steps=list(steps),
+                    compressions=sum(s.compressions for s in timed), passkey_hits=hits,
+                    steps=timed, probe_steps=list(steps),
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
         close(llm)
@@ -227,31 +227,17 @@ def _count_preemptions(scheduler: Any):
     return lambda: count[0]
 
 
-def _count_compressions(scheduler: Any):
-    """Elastic compressions (request, step) the scheduler planned."""
-    count = [0]
-    original = scheduler.schedule
-
-    def schedule(*args: Any, **kwargs: Any) -> Any:
-        output = original(*args, **kwargs)
-        plan = getattr(output, "kv_eviction_plan", None)
-        count[0] += len(plan.compress) if plan is not None else 0
-        return output
-
-    scheduler.schedule = schedule
-    return lambda: count[0]
-
-
 @dataclass
 class StepTime:
     seconds: float  # one engine step: schedule, forward, sampling, update
     tokens: int  # tokens the step computed, all requests together
     requests: int
     fresh: bool  # the step's requests were all scheduled for the first time (nothing of theirs cached)
+    compressions: int = 0  # elastic compressions (request, step) the scheduler planned for it
 
 
 def _time_steps(core: Any) -> list[StepTime]:
-    """Every engine step from now on, timed whole."""
+    """Every engine step from now on, timed whole, with what its schedule planned."""
     steps: list[StepTime] = []
     last: list[Any] = [None]
     schedule, step_fn = core.scheduler.schedule, core.step_fn
@@ -268,8 +254,10 @@ def _time_steps(core: Any) -> list[StepTime]:
         output = last[0]
         if output is not None and output.total_num_scheduled_tokens:
             new = {r.req_id for r in output.scheduled_new_reqs}
+            plan = getattr(output, "kv_eviction_plan", None)
             steps.append(StepTime(time.perf_counter() - start, output.total_num_scheduled_tokens,
-                                  len(output.num_scheduled_tokens), set(output.num_scheduled_tokens) <= new))
+                                  len(output.num_scheduled_tokens), set(output.num_scheduled_tokens) <= new,
+                                  len(plan.compress) if plan is not None else 0))
         return result
 
     core.scheduler.schedule, core.step_fn = scheduled, timed
@@ -479,8 +467,7 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
         assert evicted[0] == 0, f"the host-time case {eviction} evicted {evicted[0]} times"
-        ring = runner.evict_buffers.ring
-        return dict(copy_floor_ms=ring_copy_floor_ms(ring, batch) if records else None,
+        return dict(copy_floor_ms=ring_copy_floor_ms(runner.evict_buffers.ring, batch) if records else None,
                     hooks_ms_per_step_median=1e3 * statistics.median(spent),
                     hooks_ms_per_step_p90=1e3 * sorted(spent)[int(0.9 * (len(spent) - 1))],
                     steps=len(spent), layers=len(runner.evict_layers))
