@@ -7,6 +7,7 @@ rule (tests/eviction_oracle.py) and from the stats the server returned for it. A
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -116,17 +117,31 @@ def test_a_bad_override_adds_one_rejection_and_changes_no_other_counter(evict_se
 
 
 def test_gauges_show_a_running_request_and_return_to_zero(evict_server: LocalServer, http: Any) -> None:
-    done = threading.Event()
+    # Streamed and long (1,600 decode steps, seconds even on a fast machine), so /metrics is scraped while
+    # the request is known to be running: its first tokens have arrived and most of its steps are still to
+    # come. (A 250-token request polled blindly took 0.8 s and once finished between two scrapes in CI.)
+    prompt_len, max_tokens = 300, 1600
+    first_token, done = threading.Event(), threading.Event()
     result: dict[str, Any] = {}
 
     def run() -> None:
+        body = {"model": MODEL, "prompt": words(prompt_len, 3), "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
         try:
-            result["body"] = complete(http, words(300, 3), 250)
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: "):])
+                        first_token.set()
+                        result["stats"] = eviction_stats(chunk) or result.get("stats")
         finally:
+            first_token.set()
             done.set()
 
     worker = threading.Thread(target=run)
     worker.start()
+    assert first_token.wait(timeout=120), "no token streamed within 120 s"
     seen: dict[str, float] = {}
 
     def running() -> bool:
@@ -139,8 +154,12 @@ def test_gauges_show_a_running_request_and_return_to_zero(evict_server: LocalSer
         return done.is_set()  # finished before a scrape caught it running: fails below
 
     wait_for(running, "the gauges of a running request", timeout_s=120)
+    finished_early = done.is_set()
     worker.join(timeout=300)
-    assert seen, "the request finished before /metrics showed it running"
+    assert seen, f"the request finished before /metrics showed it running (finished first: {finished_early})"
+    assert prompt_len <= seen["logical"] < prompt_len + max_tokens  # the cached tokens, not yet the sampled one
     assert seen["cached"] <= EVICTION["budget"] + PAGE  # the budget plus the decode slack
     wait_for(lambda: idle(evict_server.metrics(http)), "the gauges back at 0")
-    assert eviction_stats(result["body"]).tokens_evicted == 300 + 250 - 1 - eviction_stats(result["body"]).tokens_cached
+    stats = result.get("stats")
+    assert stats is not None, "the final stream chunk carried no eviction stats"
+    assert stats.tokens_evicted == prompt_len + max_tokens - 1 - stats.tokens_cached
