@@ -209,6 +209,7 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
                     compressions=sum(s.compressions for s in timed), passkey_hits=hits,
+                    eviction_s=sum(s.eviction for s in timed),
                     steps=timed, probe_steps=list(steps),
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
@@ -234,13 +235,26 @@ class StepTime:
     requests: int
     fresh: bool  # the step's requests were all scheduled for the first time (nothing of theirs cached)
     compressions: int = 0  # elastic compressions (request, step) the scheduler planned for it
+    eviction: float = 0.0  # seconds of it the worker spent in eviction (its step timer: record, score, compact)
 
 
 def _time_steps(core: Any) -> list[StepTime]:
-    """Every engine step from now on, timed whole, with what its schedule planned."""
+    """Every engine step from now on, timed whole, with what its schedule planned and the worker's
+    eviction time in it (the in-process worker's step timer, read where the worker reports it)."""
     steps: list[StepTime] = []
     last: list[Any] = [None]
+    evicting = [0.0]
     schedule, step_fn = core.scheduler.schedule, core.step_fn
+    timer = getattr(core.model_executor.driver_worker.worker.model_runner, "evict_timer", None)
+    if timer is not None:  # vanilla has none
+        take = timer.take
+
+        def taken() -> float | None:
+            seconds = take()
+            evicting[0] += seconds or 0.0
+            return seconds
+
+        timer.take = taken
 
     def scheduled(*args: Any, **kwargs: Any) -> Any:
         output = schedule(*args, **kwargs)
@@ -248,7 +262,7 @@ def _time_steps(core: Any) -> list[StepTime]:
         return output
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        last[0] = None
+        last[0], evicting[0] = None, 0.0
         start = time.perf_counter()
         result = step_fn(*args, **kwargs)
         output = last[0]
@@ -257,7 +271,7 @@ def _time_steps(core: Any) -> list[StepTime]:
             plan = getattr(output, "kv_eviction_plan", None)
             steps.append(StepTime(time.perf_counter() - start, output.total_num_scheduled_tokens,
                                   len(output.num_scheduled_tokens), set(output.num_scheduled_tokens) <= new,
-                                  len(plan.compress) if plan is not None else 0))
+                                  len(plan.compress) if plan is not None else 0, evicting[0]))
         return result
 
     core.scheduler.schedule, core.step_fn = scheduled, timed
@@ -306,7 +320,8 @@ def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dic
             tokens_per_s=tps, ratio=tps / base, runs=[round(r["tokens_per_s"], 1) for r in runs],
             preemptions=runs[0]["preemptions"], pool_pages=runs[0]["pool_pages"], same_tokens_as_vanilla=same,
             compressions=runs[0]["compressions"], passkey_hits=runs[0]["passkey_hits"],
-            target=scenario.targets.get(variant.name))
+            seconds=statistics.median(r["seconds"] for r in runs),
+            eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name))
     ceiling = min(ceilings, key=lambda c: c["ceiling"]) if ceilings else None
     return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary,
                 ceiling=ceiling)
@@ -322,12 +337,14 @@ def format_scenario(out: dict[str, Any]) -> str:
               else "every variant gets the memory of the pool, eviction's buffers out of it")
     lines = [f"## {s['name']}: {shape}, pool {s['pool_tokens']} tokens ({memory}), chunk {s['chunk']}",
              "",
-             "| variant | total tokens/s (median) | x vanilla | target | runs | preemptions | elastic compressions "
-             "| pool pages | same tokens as vanilla |" + (" passkey hits |" if s["passkeys"] else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")]
+             "| variant | total tokens/s (median) | x vanilla | target | runs | seconds (of them evicting) "
+             "| preemptions | elastic compressions | pool pages | same tokens as vanilla |"
+             + (" passkey hits |" if s["passkeys"] else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")]
     for name, r in out["results"].items():
         target = f">= {r['target']}" if r["target"] else ""
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | "
+        seconds = f"{r['seconds']:.1f} ({r['eviction_s']:.1f})" if "seconds" in r else ""  # older JSON: none
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | {seconds} | "
                      f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
                      + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
@@ -435,7 +452,8 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
                 records: bool) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=batch * (64 + steps + PAGE) + 4 * PAGE,
+    pool = batch * (64 + steps + PAGE) + 4 * PAGE
+    scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=pool,
                         chunk=max(2048, 64 * batch), equal_pool=True)  # a time, not a memory, comparison
     llm = make_llm(model, dtype, scenario, Variant("host", eviction))
     try:

@@ -1,5 +1,6 @@
-"""benchmarks/throughput.py times every engine step of a run and bounds what any variant can gain over
-vanilla from vanilla's own step times (the ceiling printed under the tight table)."""
+"""benchmarks/throughput.py times every engine step of a run (and the worker's eviction time in it) and
+bounds what any variant can gain over vanilla from vanilla's own step times (the ceiling printed under the
+tight table)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,9 @@ def test_every_engine_step_of_a_run_is_timed(bench, smollm2_path) -> None:
     evicting = bench.run_variant(str(smollm2_path), "float32", scenario,
                                  bench.Variant("keydiff", {"policy": "keydiff", "budget": 32}))
     assert evicting["probe_steps"] == [] and sum(s.tokens for s in evicting["steps"]) == 2 * (64 + 4 - 1)
+    # The worker's eviction time is read per step: none for vanilla; for KeyDiff at 32, part of the steps
+    # that evict (the first one caches 64 > 32 tokens) and the run's total is the sum over its steps.
+    assert run["eviction_s"] == 0.0 and all(s.eviction == 0.0 for s in steps)
+    assert evicting["steps"][0].eviction > 0.0
+    assert all(0.0 <= s.eviction < s.seconds for s in evicting["steps"])
+    assert evicting["eviction_s"] == sum(s.eviction for s in evicting["steps"])
