@@ -238,6 +238,11 @@ class StepTime:
     eviction: float = 0.0  # seconds of it the worker spent in eviction (its step timer: record, score, compact)
 
 
+def _model_runner(core: Any) -> Any:
+    """The model runner of an in-process engine core (``use_offline_cpu_env`` runs it in this process)."""
+    return core.model_executor.driver_worker.worker.model_runner
+
+
 def _time_steps(core: Any) -> list[StepTime]:
     """Every engine step from now on, timed whole, with what its schedule planned and the worker's
     eviction time in it (the in-process worker's step timer, read where the worker reports it)."""
@@ -245,7 +250,7 @@ def _time_steps(core: Any) -> list[StepTime]:
     last: list[Any] = [None]
     evicting = [0.0]
     schedule, step_fn = core.scheduler.schedule, core.step_fn
-    timer = getattr(core.model_executor.driver_worker.worker.model_runner, "evict_timer", None)
+    timer = getattr(_model_runner(core), "evict_timer", None)
     if timer is not None:  # vanilla has none
         take = timer.take
 
@@ -343,8 +348,8 @@ def format_scenario(out: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")]
     for name, r in out["results"].items():
         target = f">= {r['target']}" if r["target"] else ""
-        seconds = f"{r['seconds']:.1f} ({r['eviction_s']:.1f})" if "seconds" in r else ""  # older JSON: none
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | {seconds} | "
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | "
+                     f"{r['seconds']:.1f} ({r['eviction_s']:.1f}) | "
                      f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
                      + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
@@ -457,7 +462,7 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
                         chunk=max(2048, 64 * batch), equal_pool=True)  # a time, not a memory, comparison
     llm = make_llm(model, dtype, scenario, Variant("host", eviction))
     try:
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        runner = _model_runner(llm.llm_engine.engine_core.engine_core)
         spent: list[float] = []
         original_layer, original_build = runner._evict_layer, runner.evict_builder.build
         current = [0.0]
