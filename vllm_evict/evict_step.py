@@ -5,12 +5,17 @@ A step has two phases, both batched over the step's requests:
 
 * **record** (every step, every layer): the step's new tokens get their logical position and their
   per-token policy state written next to their K/V slots (addressed like vLLM addresses K/V: page and
-  offset of each token's slot), and their queries go into a per-row ring buffer of recent queries.
-  A fixed number of tensor operations per layer, whatever the batch size; nothing allocated per
-  request, no host-device synchronisation.
-* **evict** (only for the rows the plan names): per group of rows that share a policy and a phase,
-  one policy call scores them all (padded to the longest row) and the survivors of every (row, KV
-  head) are compacted in place into the row's first slots, K, V, positions and state alike.
+  offset of each token's slot). Requests in elastic mode, which can be compressed at any step, also
+  put their queries in a per-row ring buffer of recent queries. A fixed number of tensor operations
+  per layer, whatever the batch size; nothing allocated per request, no host-device synchronisation.
+* **groups** (only the rows the plan names): per group of rows that share a policy and a phase,
+  - the step's queries that belong to a row's observation window (``Group.window_tokens``) add their
+    softmax rows over the row's cache to the per-token window mass (state ``WINDOW_MASS``): the window
+    is accumulated as its queries arrive, so no query is kept for fixed-mode requests (see
+    ``vllm_evict.schedule.window_end`` for which queries those are);
+  - one policy call scores the rows (padded to the longest) and the survivors of every (row, KV head)
+    are compacted in place into the row's first slots, K, V, positions and state alike; a row that has
+    read its window starts the next one from zero.
 
 This module knows nothing of vLLM: callers describe their cache with ``LayerCache`` and their step
 with a ``StepPlan`` (built once per step, shared by every layer).
@@ -29,7 +34,7 @@ from vllm_evict import dense, ops
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_slots, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
-from vllm_evict.policies.base import Deferred, EvictionInputs, Phase, Policy
+from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, EvictionInputs, Phase, Policy
 
 POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
 
@@ -102,8 +107,8 @@ class Group:
     seq_len: Tensor  # int64: logical tokens after this step
     num_new: Tensor  # int64
     seed: Tensor  # int64
-    ring_rows: Tensor | None  # int64: each row's ring slot (policies with a query window)
-    step_tokens: Tensor | None  # int64 [R, M]: the row's tokens of this step (query_window None)
+    ring_rows: Tensor | None  # int64: each row's ring slot (elastic rows: their window is kept as queries)
+    step_tokens: Tensor | None  # int64 [R, M]: the row's tokens of this step (read by update_state)
     step_token_positions: Tensor | None  # int64 [R, M]: their positions, -1 on padding
     slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1 (see ``slot_addresses``)
     slot_offsets: Tensor  # int64 [R, N]
@@ -111,6 +116,12 @@ class Group:
     budget_max: int = 0
     max_seq_len: int = 0  # host: the largest seq_len
     labels: list = field(default_factory=list)  # caller's ids of the rows (request ids), for records
+    # The accumulated observation window (fixed mode; None: the rows' windows are queries in the ring):
+    window_count: Tensor | None = None  # int64: the window's queries so far, this step's included
+    window_tokens: Tensor | None = None  # int64 [R, M']: this step's queries that join the window
+    window_positions: Tensor | None = None  # int64 [R, M']: their positions, -1 on padding
+    window_gain: Tensor | None = None  # fp32: the window's logit gain (None: 1)
+    window_reset: bool = False  # the rows read their window in this step: the next one starts from zero
 
 
 @dataclass
@@ -154,28 +165,51 @@ def step_token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarra
     return index, positions
 
 
+@dataclass(frozen=True)
+class WindowStep:
+    """A group's accumulated observation window in this step, on the host (fixed mode): per row, the
+    step's last ``recorded`` queries join the window, which then holds ``count`` queries; ``gain`` the
+    logit gain of its softmax rows (None: 1); ``reset``: the rows read the window in this step."""
+
+    recorded: np.ndarray
+    count: np.ndarray
+    gain: np.ndarray | None = None
+    reset: bool = False
+
+
 def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
                 computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
-                ring_rows: np.ndarray | None, token_starts: np.ndarray | None) -> Group:
+                ring_rows: np.ndarray | None, token_starts: np.ndarray | None,
+                window: WindowStep | None = None) -> Group:
     """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
 
     block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
     tokens before it; scheduled: this step's tokens; keep: tokens kept per head, or None (no eviction);
-    ring_rows: each row's ring row (None: no ring); token_starts: each row's first token in the packed
-    token axis (needed by policies that read this step's queries)."""
+    ring_rows: each row's ring row (None: the rows keep no queries); token_starts: each row's first
+    token in the packed token axis (needed to read this step's queries); window: the rows' accumulated
+    observation window (None: none, or kept as queries in the ring)."""
     device = block_table.device
     width = int(lengths.max())
     rows = len(lengths)
+    zeros = np.zeros(rows, dtype=np.int64)
     host = np.stack([lengths, computed + scheduled, scheduled, seed,
-                     keep if keep is not None else np.zeros(rows, dtype=np.int64),
-                     ring_rows if ring_rows is not None else np.zeros(rows, dtype=np.int64)]).astype(np.int64)
+                     keep if keep is not None else zeros, ring_rows if ring_rows is not None else zeros,
+                     window.count if window is not None else zeros]).astype(np.int64)
     packed = torch.from_numpy(host).to(device, non_blocking=True)
-    lengths_t, seq_len, num_new, seed_t, budget, ring_t = packed.unbind(0)
+    lengths_t, seq_len, num_new, seed_t, budget, ring_t, count_t = packed.unbind(0)
     step_tokens = step_positions = None
-    if policy.query_window is None and token_starts is not None:
-        index, positions = step_token_index(token_starts, scheduled, computed)
-        both = torch.from_numpy(np.stack([index, positions]).astype(np.int64)).to(device, non_blocking=True)
-        step_tokens, step_positions = both[0], both[1]
+    # This step's queries, for the policies that read them every step (H2O; AhaKV's decode, whose window
+    # is otherwise in the ring with them).
+    reads_step = policy.query_window is None or (policy.needs_every_step and ring_rows is None)
+    if reads_step and token_starts is not None:
+        step_tokens, step_positions = _token_index(token_starts, scheduled, computed, device)
+    window_tokens = window_positions = window_gain = None
+    if window is not None and token_starts is not None and window.recorded.any():
+        skipped = scheduled - window.recorded  # the window takes each row's last ``recorded`` tokens
+        window_tokens, window_positions = _token_index(token_starts + skipped, window.recorded, computed + skipped,
+                                                       device)
+        if window.gain is not None:
+            window_gain = torch.from_numpy(window.gain.astype(np.float32)).to(device, non_blocking=True)
     pages, offsets = slot_addresses(block_table, width, page_size)
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,
@@ -183,7 +217,18 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                  step_token_positions=step_positions, slot_pages=pages, slot_offsets=offsets,
                  budget=budget if keep is not None else None,
                  budget_max=int(keep.max()) if keep is not None else 0,
-                 max_seq_len=int((computed + scheduled).max()))
+                 max_seq_len=int((computed + scheduled).max()),
+                 window_count=count_t if window is not None else None, window_tokens=window_tokens,
+                 window_positions=window_positions, window_gain=window_gain,
+                 window_reset=window is not None and window.reset)
+
+
+def _token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarray,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """``step_token_index`` on the device (one copy)."""
+    index, positions = step_token_index(starts, counts, computed)
+    both = torch.from_numpy(np.stack([index, positions]).astype(np.int64)).to(device, non_blocking=True)
+    return both[0], both[1]
 
 
 # ---- record phase ---------------------------------------------------------------------------------
@@ -235,18 +280,19 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
     pages, offsets = group.slot_pages, group.slot_offsets
     policy = group.policy
     positions = gather_slots(cache.positions, pages, offsets)
-    state = {name: gather_slots(cache.state[name], pages, offsets) for name in policy.state_names}
+    state = {name: gather_slots(cache.state[name], pages, offsets)
+             for name in (*policy.state_names, *policy.head_state_names)}
     window = policy.query_window
     rows, h_q, d = group.lengths.shape[0], step_query.shape[1], step_query.shape[2]
-    if window is None:  # this step's queries, each counted once
+    if group.step_tokens is not None:  # this step's queries, each counted once
         queries = step_query[group.step_tokens].permute(0, 2, 1, 3)  # [R, H_q, M, d]
         query_positions = group.step_token_positions
-    elif window == 0 or cache.ring is None:
-        queries = step_query.new_zeros(rows, h_q, 0, d)
-        query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
-    else:
+    elif group.ring_rows is not None and window and cache.ring is not None:  # elastic rows keep their queries
         queries = cache.ring[group.ring_rows].permute(0, 2, 1, 3)  # [R, H_q, W, d]
         query_positions = dense.latest_queries(plan.ring_positions[group.ring_rows], group.seq_len, window)
+    else:
+        queries = step_query.new_zeros(rows, h_q, 0, d)
+        query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
     return EvictionInputs(
         keys=Deferred(partial(gather_slots, cache.k, pages, offsets)),
         values=Deferred(partial(gather_slots, cache.v, pages, offsets)),
@@ -254,10 +300,32 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         scale=cache.scale, seq_len=group.seq_len, num_new=group.num_new, phase=group.phase, state=state,
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
         budget=group.budget, budget_max=group.budget_max, max_seq_len=group.max_seq_len,
-        kv_replicas=cache.kv_replicas, kv_heads_total=cache.kv_heads_total,
+        kv_replicas=cache.kv_replicas, kv_heads_total=cache.kv_heads_total, window_count=group.window_count,
         ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
                           block_table=group.block_table, lengths=group.lengths, width=group.width,
                           shard=cache.shard))
+
+
+def window_states(policy: Policy) -> tuple[str, ...]:
+    """The accumulated-window states ``policy`` keeps (they are zeroed, not compacted, after a window is read)."""
+    return (*(n for n in policy.state_names if n in WINDOW_STATES), *policy.head_state_names)
+
+
+def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, step_query: Tensor) -> EvictionInputs:
+    """Add the softmax rows of the step's window queries (``group.window_tokens``) over each row's cache
+    to its window-mass states, in the cache and in ``inp``; returns the updated inputs."""
+    queries = step_query[group.window_tokens].permute(0, 2, 1, 3)  # [R, H_q, M', d]
+    window_inp = inp.evolve(queries=queries, query_positions=group.window_positions)
+    heads = bool(group.policy.head_state_names)
+    mass = inp.ops.window_mass(window_inp, gain=group.window_gain, per_query_head=heads)
+    updates = {}
+    if heads:  # [R, H, G, N]: kept per query head, and summed over the group
+        updates[group.policy.head_state_names[0]] = inp.state[group.policy.head_state_names[0]] + mass.permute(0, 1, 3, 2)
+        mass = mass.sum(dim=2)
+    updates[WINDOW_MASS] = inp.state[WINDOW_MASS] + mass
+    for name, value in updates.items():
+        cache.state[name][group.slot_pages, :, group.slot_offsets] = value.transpose(1, 2)
+    return inp.with_state({**inp.state, **updates})
 
 
 def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[Tensor | None]:
@@ -266,14 +334,21 @@ def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[T
     kept: list[Tensor | None] = []
     for group in plan.groups:
         inp = group_inputs(cache, group, plan, step_query)
+        if group.window_tokens is not None:
+            inp = accumulate_window(cache, group, inp, step_query)
         result = group.policy.step(inp)
         pages, offsets = group.slot_pages, group.slot_offsets
+        windows = window_states(group.policy)
         for name in group.policy.state_names:
-            if result.state[name] is not inp.state[name]:
+            if name not in windows and result.state[name] is not inp.state[name]:
                 cache.state[name][pages, :, offsets] = result.state[name].transpose(1, 2)
         if result.keep is not None:
-            buffers = [cache.k, cache.v, cache.positions, *(cache.state[n] for n in group.policy.state_names)]
+            moved = (n for n in group.policy.state_names if n not in windows)
+            buffers = [cache.k, cache.v, cache.positions, *(cache.state[n] for n in moved)]
             ops.compact_tokens(buffers, group.block_table, result.keep, group.budget)
+        if group.window_reset:  # the window was read: the survivors start the next one from zero
+            for name in windows:
+                cache.state[name][pages, :, offsets] = 0.0
         kept.append(result.keep)
     return kept
 
@@ -286,7 +361,7 @@ def state_initializers(policies: list[Policy]) -> tuple[list[Policy], tuple[str,
     for policy in policies:
         for name in policy.computed_state:
             computed.setdefault(name, policy)
-        for name in policy.state_names:
+        for name in (*policy.state_names, *policy.head_state_names):
             if name not in policy.computed_state:
                 zero[name] = None
     initializers = list(dict.fromkeys(computed.values()))

@@ -31,12 +31,12 @@ from torch import Tensor
 
 from vllm_evict.config import EvictionConfig
 from vllm_evict.evict_step import (
-    POSITION_DTYPE, LayerCache, Record, StepPlan, build_group, evict_layer, record_layer, record_step, ring_entries,
-    state_initializers,
+    POSITION_DTYPE, LayerCache, Record, StepPlan, WindowStep, build_group, evict_layer, record_layer, record_step,
+    ring_entries, state_initializers,
 )
 from vllm_evict.paged import gather_tokens
 from vllm_evict.policies.base import Phase, Policy
-from vllm_evict.schedule import eviction_target, phase_of
+from vllm_evict.schedule import eviction_target, phase_of, window_end
 
 ATTN_IMPLEMENTATION = "vllm_evict_reference"
 PAGE_SIZE = 16  # the reference's own page size; which tokens survive does not depend on it
@@ -90,8 +90,15 @@ class _Run:
         self.positions = torch.zeros(self.layers, *shape[:3], dtype=POSITION_DTYPE, device=self.device)
         self.states = {name: torch.zeros(self.layers, *shape[:3], device=self.device)
                        for name in (policy.state_names if policy else ())}
-        window = policy.window_for(config.budget if config is not None else None) if policy else 0
+        group = self.query_heads // self.kv_heads
+        for name in (policy.head_state_names if policy else ()):
+            self.states[name] = torch.zeros(self.layers, *shape[:3], group, device=self.device)
+        # Elastic mode keeps the window's queries (it can be compressed at any step); fixed mode accumulates
+        # the window's mass as the engine does (vllm_evict.schedule.window_end).
+        elastic = config is not None and config.elastic
+        window = policy.window_for(config.budget) if policy and elastic else 0
         self.window = window
+        self.window_count = 0
         self.ring_positions = torch.full((2, window), -1, dtype=torch.int64, device=self.device) if window else None
         self.caches = [
             LayerCache(index=i, k=self.k[i], v=self.v[i], positions=self.positions[i],
@@ -136,15 +143,34 @@ class _Run:
         self.keep = None if self.config.elastic else eviction_target(  # elastic: only when compressed
             phys_after=cached_after, phase=self.phase, budget=self.config.budget, schedule=self.config.schedule,
             slack=self.slack)
-        if self.keep is None and not self.policy.needs_every_step:
+        one = lambda value: np.array([value], dtype=np.int64)  # noqa: E731
+        window = self._window_step(cached_after, num_new)
+        if self.keep is None and not self.policy.needs_every_step and (window is None or not (
+                window.recorded.any() or window.reset)):
             return
         pages_used = -(-cached_after // PAGE_SIZE)
-        one = lambda value: np.array([value], dtype=np.int64)  # noqa: E731
         self.plan.groups.append(build_group(
             self.policy, self.phase, self.block_table[:, :pages_used], PAGE_SIZE, lengths=one(cached_after),
             computed=one(self.tokens_before), scheduled=one(num_new), seed=one(self.config.seed),
             keep=one(self.keep) if self.keep is not None else None,
-            ring_rows=one(0) if self.window else None, token_starts=one(0)))
+            ring_rows=one(0) if self.window else None, token_starts=one(0), window=window))
+
+    def _window_step(self, cached_after: int, num_new: int) -> WindowStep | None:
+        """The step's part of the accumulated observation window (fixed mode), as the engine's step builder."""
+        if not self.policy.accumulates_window or self.config.elastic:
+            return None
+        one = lambda value: np.array([value])  # noqa: E731
+        end = window_end(cached_after=one(cached_after), scheduled=one(num_new),
+                         logical_after=one(self.tokens_before + num_new), prompt=one(self.prompt_len),
+                         evicting=one(self.keep is not None), budget=one(self.config.budget), slack=one(self.slack),
+                         one_shot=one(self.config.schedule == "oneshot"),
+                         at_prompt_end=one(self.policy.window_at_prompt_end),
+                         in_decode=one(self.policy.window_in_decode))
+        recorded = end.recorded(one(cached_after), one(num_new), self.policy.window_size(end.logical, end.kept))
+        count = self.window_count + recorded
+        self.window_count = 0 if end.now[0] else int(count[0])
+        return WindowStep(recorded=recorded, count=count, gain=self.policy.window_gain(end.logical, end.kept),
+                          reset=bool(end.now[0]))
 
     def compress(self, keep: int) -> None:
         """Elastic mode's compression before a step: the cache as the last step left it, scored with the

@@ -3,7 +3,10 @@ the HF reference runner, so that all three agree on every request's physical len
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from vllm_evict.policies.base import Phase
 
@@ -38,24 +41,70 @@ def eviction_target(*, phys_after: int, phase: Phase, budget: int, schedule: str
     return None
 
 
-NEVER_RECORD = 2**62  # a physical length no request reaches
+# ---- the observation window ------------------------------------------------------------------------
+NO_WINDOW = -1  # ``WindowEnd.length`` of a row whose next window end is not known yet
 
 
-def queries_needed_above(config: "EvictionConfig | None", *, page_size: int, window: int) -> int:
-    """Physical length after a decode step above which the worker must record that step's queries in
-    the observation-window ring (``window`` entries per request); below it they would be overwritten
-    before any eviction reads them.
+@dataclass(frozen=True)
+class WindowEnd:
+    """Where each row's observation window ends next: the physical length ``length`` at which the window
+    is read (an eviction, or a prompt end the policy reads its window at), whether an eviction happens
+    there (``evicts``), and the row's logical length and tokens kept then (what the policy's
+    ``window_size`` / ``window_gain`` are evaluated at). Arrays over rows; ``length`` NO_WINDOW: unknown."""
 
-    A fixed-mode request evicts while decoding only when it reaches budget + slack (``eviction_target``),
-    and the last ``window`` queries of that step come from steps that left more than budget + slack -
-    window tokens: the length grows by at most one token per query, and an eviction inside the window
-    (possible only when slack < window) drops it to budget, which is above that line. Elastic requests can be compressed at
-    any step (-1: always record); requests without eviction or without a window never."""
-    if config is None or window <= 0:
-        return NEVER_RECORD
-    if config.elastic:
-        return -1
-    return config.budget + config.slack_for(page_size) - window
+    length: np.ndarray
+    evicts: np.ndarray
+    logical: np.ndarray
+    kept: np.ndarray
+    now: np.ndarray  # the window ends with this step: the step reads it
+
+    def recorded(self, cached_after: np.ndarray, scheduled: np.ndarray, width: np.ndarray) -> np.ndarray:
+        """This step's queries that belong to the window (its last ``width`` queries before ``length``):
+        each row's last n of them, n returned per row. Physical lengths grow by one per query up to
+        the window's end (nothing is evicted in between), so the query that leaves the cache at length p
+        is in the window iff p > length - width."""
+        first = np.maximum(self.length - width, cached_after - scheduled)
+        n = np.clip(cached_after - first, 0, scheduled)
+        return np.where(self.length == NO_WINDOW, 0, n)
+
+
+def window_end(*, cached_after: np.ndarray, scheduled: np.ndarray, logical_after: np.ndarray, prompt: np.ndarray,
+               evicting: np.ndarray, budget: np.ndarray, slack: np.ndarray, one_shot: np.ndarray,
+               at_prompt_end: np.ndarray, in_decode: np.ndarray) -> WindowEnd:
+    """The next window end of every row of a step (fixed mode; arrays over rows), as far as this step
+    knows it, from the shared rule ``eviction_target``:
+
+    * a step that evicts (and whose policy reads the window in its phase), or that completes the prompt
+      of a policy reading its window there: this step's end;
+    * decode, or a prompt that will end without an eviction: the first decode eviction, at budget + slack;
+    * one-shot prefill of a prompt longer than the budget: the prompt's end;
+    * chunked prefill of a prompt longer than the budget: unknown, since the chunk that evicts next can
+      be of any size; its window holds only its own queries (block-wise, as the papers' chunked setting).
+
+    ``evicting``: this step evicts; ``one_shot``, ``at_prompt_end``, ``in_decode``: the row's schedule and
+    its policy's ``window_at_prompt_end`` / ``window_in_decode``. Elastic rows keep queries instead."""
+    computed = logical_after - scheduled
+    decode = computed >= prompt
+    completes = ~decode & (logical_after >= prompt)
+    prefill = logical_after < prompt
+    prompt_end = cached_after + (prompt - logical_after)  # physical length at the prompt's end (no eviction before)
+    now = (evicting & (~decode | in_decode)) | (completes & at_prompt_end)
+    end_evicts_prompt = prompt_end > budget
+    next_decode = budget + slack
+    length = np.full(len(cached_after), NO_WINDOW, dtype=np.int64)
+    evicts = np.zeros(len(cached_after), dtype=bool)
+    # decode, and a prompt that ends (or ended) without an eviction: the first decode eviction
+    to_decode = ~now & in_decode & (decode | completes | (prefill & ~end_evicts_prompt & ~at_prompt_end))
+    length[to_decode], evicts[to_decode] = next_decode[to_decode], True
+    # one-shot prefill (an eviction at the prompt's end), or a policy reading its window at the prompt end
+    # when nothing is evicted before it
+    to_prompt_end = ~now & prefill & ((one_shot & (end_evicts_prompt | at_prompt_end))
+                                      | (~one_shot & ~end_evicts_prompt & at_prompt_end))
+    length[to_prompt_end], evicts[to_prompt_end] = prompt_end[to_prompt_end], end_evicts_prompt[to_prompt_end]
+    length[now], evicts[now] = cached_after[now], evicting[now]
+    logical = logical_after + (length - cached_after)
+    kept = np.where(evicts, budget, length)
+    return WindowEnd(length=length, evicts=evicts, logical=logical, kept=kept, now=now)
 
 
 def physical_bound(*, prompt_len: int, max_new_tokens: int, budget: int | None, schedule: str | None,

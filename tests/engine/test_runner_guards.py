@@ -118,21 +118,20 @@ def test_cuda_extension_is_loaded_at_start_up(tiny_llama, engine_factory):
 
 def test_eviction_buffers_are_counted_in_the_kv_memory(tiny_llama, engine_factory):
     """Same kv_cache_memory_bytes: the eviction engine's pool is smaller than vanilla's by exactly its
-    buffers (ring of the server's window, positions and up to three states per token and KV head)."""
+    buffers (a fixed-mode server keeps no queries: positions and the reserved states per token and KV
+    head), and what the worker allocated fits in what was taken from the pool."""
     pages = 256
     plain = engine_factory(tiny_llama, pages=pages)
     evicting = engine_factory(tiny_llama, SNAPKV, pages=pages)
     runner = evicting.runner
-    layers, kv_heads, head_size, query_heads = 2, 2, 32, 4  # the tiny Llama
-    rows, window, block = runner.scheduler_config.max_num_seqs, 32, runner.cache_config.block_size
-    ring = rows * window * (layers * query_heads * head_size * 4 + 8)
+    buffers = runner.evict_buffers
+    assert buffers.ring is None and buffers.ring_positions is None
+    assert "wmass" in buffers.states
+    layers, kv_heads, head_size = 2, 2, 32  # the tiny Llama
+    block = runner.cache_config.block_size
     kv_per_token = layers * kv_heads * head_size * 2 * 4
-    ours_per_token = layers * kv_heads * (4 + 4 * 3)
-    expected_bytes = int((pages * PAGE_BYTES_TINY - ring) * kv_per_token / (kv_per_token + ours_per_token))
+    ours_per_token = layers * kv_heads * (4 + 4 * len(buffers.states))
+    expected_bytes = int(pages * PAGE_BYTES_TINY * kv_per_token / (kv_per_token + ours_per_token))
     assert plain.total_pages() + 1 == pages
     assert evicting.total_pages() + 1 == expected_bytes // (kv_per_token * block)
-    # And what the worker allocated fits in what was taken from the pool.
-    buffers = runner.evict_buffers
-    allocated = buffers.positions.numel() * 4 + sum(b.numel() * 4 for b in buffers.states.values())
-    allocated += buffers.ring.numel() * buffers.ring.element_size() + buffers.ring_positions.numel() * 8
-    assert allocated <= pages * PAGE_BYTES_TINY - (evicting.total_pages() + 1) * kv_per_token * block
+    assert buffers.nbytes <= pages * PAGE_BYTES_TINY - (evicting.total_pages() + 1) * kv_per_token * block

@@ -349,7 +349,8 @@ def test_class_contract():
     pol = EvictionConfig.from_spec("ahakv", 100, recent=16).build_policy()
     assert isinstance(pol, AhaKV)
     assert pol.query_window == 16 and pol.one_shot and pol.is_attention_mass and pol.needs_every_step
-    assert pol.state_names == ("vnorm", "score") and pol.computed_state == ("vnorm",)
+    assert pol.state_names == ("vnorm", "score", "wmass") and pol.computed_state == ("vnorm",)
+    assert pol.window_at_prompt_end and not pol.window_in_decode
     assert pol.protected_count(100) == 16
     assert EvictionConfig.from_spec("ahakv", 100).schedule == "oneshot"
     v = torch.tensor([[[3.0, 4.0], [1.0, 0.0]]])

@@ -233,7 +233,7 @@ def test_end_to_end_with_snapkv_keeps_window_and_budget():
     assert result.keep.shape == (1, 2, 24)
     for h in range(2):
         assert set(range(56, 64)) <= set(result.keep[0, h].tolist())
-    assert set(result.state) == {"nu"}
+    assert set(result.state) == {"nu", "wmass"}
 
 
 @pytest.mark.parametrize("options,message", [

@@ -67,7 +67,8 @@ def test_class_contract():
     assert p.name == "snapkv" and p.summary and p.paper
     assert p.options == {"window": 32, "kernel": 7, "pooling": "avg", "sinks": 0}
     assert p.query_window == 32 and p.one_shot and p.is_attention_mass
-    assert p.state_names == () and p.computed_state == () and not p.needs_every_step
+    assert p.state_names == ("wmass",) and p.computed_state == () and not p.needs_every_step
+    assert p.accumulates_window and not p.needs_window_heads and p.head_state_names == ()
     assert SnapKV(window=8, sinks=2).protected_count(100) == 10
     assert EvictionConfig.from_spec("snapkv", 64).schedule == "oneshot"
 

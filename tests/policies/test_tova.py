@@ -19,7 +19,7 @@ def test_class_contract():
     assert p.name == "tova" and p.summary and p.paper
     assert p.query_window == 1
     assert p.is_attention_mass is True and p.one_shot is False
-    assert p.state_names == () and p.needs_every_step is False
+    assert p.state_names == ("wmass",) and p.needs_every_step is False and p.accumulates_window
     assert p.options == {"recent": 0, "sinks": 0, "heads": "layer"}
     assert TOVA(recent=2, sinks=3).protected_count(50) == 5
 
@@ -117,7 +117,7 @@ def test_layer_mean_matches_by_logical_position():
                                     [[0.5, 0.25, 0.25, 9.0], [0.0, 0.6, 0.4, 9.0]]]])  # KV head 1: positions 9, 5, 7
     positions = torch.tensor([[[5, 2, 9, 5], [9, 5, 7, 2]]])  # the last slot is padding
     valid = torch.tensor([[[True, True, True, False]]])
-    got = layer_mean(per_query_head, positions, valid, bound=10)
+    got = layer_mean(per_query_head.sum(dim=2), positions, valid, bound=10, query_heads=4)
     pos5 = (0.1 + 0.3 + 0.25 + 0.6) / 4
     pos2 = (0.2 + 0.3) / 4
     pos9 = (0.7 + 0.4 + 0.5 + 0.0) / 4

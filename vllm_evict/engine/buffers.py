@@ -1,16 +1,19 @@
-"""The tensors eviction keeps next to vLLM's KV cache, for every hooked layer at once.
+"""The tensors eviction keeps next to vLLM's KV cache, for every hooked layer at once, all allocated at
+start-up from the server's ``Reservation`` (vllm_evict/reservation.py) and counted in the KV-cache memory
+before vLLM sizes its pool (``bytes_per_token`` / ``ring_bytes``):
 
 - ``positions`` int32 [L, num_pages, H_kv, bs]: the logical position of every slot (RoPE stays
   logical while compaction moves tokens to other slots);
-- ``states[name]`` fp32 [L, num_pages, H_kv, bs]: per-token policy state (H2O's accumulated
-  attention, CriticalKV's projected value norms, ...), paged exactly like K and V;
-- ``ring`` [L, slots, W, H_q, d] (model dtype): the last W queries of every running request, one slot
-  each (engine/rows.py hands them out), for policies with an observation window, and
-  ``ring_positions`` int64 [slots, W] (-1: empty).
+- ``states[name]`` fp32 [L, num_pages, H_kv, bs] (a per-query-head state: [L, num_pages, H_kv, bs, G]):
+  per-token policy state (the accumulated observation-window mass, H2O's accumulated attention,
+  CriticalKV's projected value norms, ...), paged exactly like K and V;
+- on an elastic server only, ``ring`` [L, rows, W, H_q, d] (model dtype): the last W queries of every
+  running request, one slot each (engine/rows.py hands them out), since an elastic request can be
+  compressed at any step; and ``ring_positions`` int64 [rows, W] (-1: empty). Fixed-mode requests keep
+  no queries: their window is accumulated into a state as the queries arrive (evict_step.py).
 
 One tensor across layers, so that what is the same for every layer (a new token's position, a state
-that starts at 0) is written once per step. ``token_bytes`` / ``ring_bytes`` let the worker count
-them in the KV-cache memory budget before vLLM sizes the pool.
+that starts at 0) is written once per step.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import torch
 from torch import Tensor
 
 from vllm_evict.evict_step import POSITION_DTYPE
-from vllm_evict.policies.base import Policy
 
 EMPTY = -1
+STATE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,30 @@ class Geometry:
     dtype: torch.dtype  # the KV cache's (and the ring's) dtype
     device: torch.device
 
+    @property
+    def group(self) -> int:
+        """Query heads per KV head on this rank."""
+        return max(self.query_heads // self.kv_heads, 1)
 
-MAX_STATES = 3  # the most per-token states any policy keeps (criticalkv+ahakv: vnorm, score, nu)
+
+@dataclass(frozen=True)
+class Layout:
+    """What the buffers hold: per-token states by name, per-token per-query-head states, and the ring's
+    width (0: no ring). Built from the server's reservation."""
+
+    states: tuple[str, ...] = ()
+    head_states: tuple[str, ...] = ()
+    ring_window: int = 0
 
 
-def token_bytes(layers: int, kv_heads: int, num_states: int) -> int:
-    """Bytes of positions and ``num_states`` fp32 states per cached token, over all layers and KV heads."""
-    return layers * kv_heads * (torch.tensor([], dtype=POSITION_DTYPE).element_size() + 4 * num_states)
+def _size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def bytes_per_token(layers: int, kv_heads: int, group: int, layout: Layout) -> int:
+    """Bytes eviction keeps per cached token, over all layers and KV heads: its position and states."""
+    per_head = _size(POSITION_DTYPE) + _size(STATE_DTYPE) * (len(layout.states) + group * len(layout.head_states))
+    return layers * kv_heads * per_head
 
 
 def ring_bytes(layers: int, rows: int, window: int, query_heads: int, head_size: int, element: int) -> int:
@@ -53,48 +73,45 @@ def ring_bytes(layers: int, rows: int, window: int, query_heads: int, head_size:
 
 
 class EvictionBuffers:
-    def __init__(self, geometry: Geometry) -> None:
+    def __init__(self, geometry: Geometry, layout: Layout) -> None:
         g = self.geometry = geometry
-        self.positions = torch.zeros(g.layers, g.num_pages, g.kv_heads, g.page_size, dtype=POSITION_DTYPE,
-                                     device=g.device)
-        self.states: dict[str, Tensor] = {}
-        self.window = 0
+        self.layout = layout
+        page_shape = (g.layers, g.num_pages, g.kv_heads, g.page_size)
+        self.positions = torch.zeros(page_shape, dtype=POSITION_DTYPE, device=g.device)
+        self.states: dict[str, Tensor] = {name: torch.zeros(page_shape, dtype=STATE_DTYPE, device=g.device)
+                                          for name in layout.states}
+        for name in layout.head_states:
+            self.states[name] = torch.zeros(*page_shape, g.group, dtype=STATE_DTYPE, device=g.device)
+        self.window = layout.ring_window
         self.ring: Tensor | None = None
         self.ring_positions: Tensor | None = None
+        if self.window:
+            self.ring = torch.zeros(g.layers, g.max_rows, self.window, g.query_heads, g.head_size, dtype=g.dtype,
+                                    device=g.device)
+            self.ring_positions = torch.full((g.max_rows, self.window), EMPTY, dtype=torch.int64, device=g.device)
 
-    def ensure_policy(self, policy: Policy, budget: int | None = None) -> bool:
-        """Allocate what ``policy`` needs at ``budget`` (its states, a ring as wide as its window there);
-        True if anything new."""
-        g = self.geometry
-        changed = False
-        for name in policy.state_names:
-            if name not in self.states:
-                self.states[name] = torch.zeros(g.layers, g.num_pages, g.kv_heads, g.page_size,
-                                                dtype=torch.float32, device=g.device)
-                changed = True
-        window = policy.window_for(budget)
-        if window > self.window:
-            self._grow_ring(window)
-            changed = True
-        return changed
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (what the start-up log reports)."""
+        tensors = [self.positions, *self.states.values(), *(t for t in (self.ring, self.ring_positions) if t is not None)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _grow_ring(self, window: int) -> None:
-        """A wider ring (a request with a wider window arrived); every stored query moves to its entry
-        in the new ring (position % W), so running requests keep their windows."""
-        g = self.geometry
-        ring = torch.zeros(g.layers, g.max_rows, window, g.query_heads, g.head_size, dtype=g.dtype,
-                           device=g.device)
-        positions = torch.full((g.max_rows, window), EMPTY, dtype=torch.int64, device=g.device)
-        if self.ring is not None and self.ring_positions is not None:
-            old = self.ring_positions
-            rows = torch.arange(g.max_rows, device=g.device).view(-1, 1).expand_as(old)
-            stored = old >= 0
-            target = (rows * window + old.remainder(window))[stored]
-            ring.view(g.layers, -1, g.query_heads, g.head_size)[:, target] = self.ring[:, stored]
-            positions.view(-1)[target] = old[stored]
-        self.ring, self.ring_positions, self.window = ring, positions, window
+    def missing(self, states: tuple[str, ...], head_states: tuple[str, ...], window: int) -> str | None:
+        """What a policy needs that these buffers lack (None: nothing)."""
+        absent = [n for n in states if n not in self.states] + [n for n in head_states if n not in self.states]
+        if absent:
+            return f"per-token state {absent[0]!r}"
+        if window > self.window and self.ring is not None:
+            return f"a query window of {window} (the ring holds {self.window})"
+        return None
 
     def reset_slot(self, slot: int) -> None:
         """A request takes ``slot`` of the ring: it starts with no queries."""
         if self.ring_positions is not None:
             self.ring_positions[slot].fill_(EMPTY)
+
+
+def kv_share(available: int, *, kv_per_token: int, ours_per_token: int, fixed: int) -> int:
+    """The bytes of ``available`` left for K and V when eviction takes ``fixed`` bytes (the ring) plus
+    ``ours_per_token`` next to every token's ``kv_per_token`` bytes of K and V."""
+    return int(max(available - fixed, 0) * kv_per_token / (kv_per_token + ours_per_token))

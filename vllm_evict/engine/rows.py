@@ -48,7 +48,7 @@ class PolicyTable:
 class RowTable:
     """Host arrays over the input batch's rows (``max_rows`` of them), and the ring slots."""
 
-    FIELDS = ("evicted", "cached", "policy", "slot")
+    FIELDS = ("evicted", "cached", "policy", "slot", "window")
 
     def __init__(self, max_rows: int, server: dict[str, Any] | None, policies: PolicyTable,
                  on_new_policy: Callable[[EvictionConfig, Policy], None] | None = None,
@@ -61,15 +61,17 @@ class RowTable:
         self.cached = np.zeros(max_rows, dtype=np.int64)  # physical tokens after the last step
         self.policy = np.full(max_rows, -1, dtype=np.int64)  # index into ``policies``; -1: eviction off
         self.slot = np.full(max_rows, -1, dtype=np.int64)  # the request's ring slot
-        self.parked: dict[str, tuple[int, int, int, int]] = {}  # out of the batch for a while, not finished
+        # queries in the request's accumulated observation window (fixed mode, vllm_evict.schedule.window_end)
+        self.window = np.zeros(max_rows, dtype=np.int64)
+        self.parked: dict[str, tuple[int, ...]] = {}  # out of the batch for a while, not finished
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(max_rows - 1, -1, -1))
         self.forgotten: set[str] = set()  # finished or preempted in the step being set up
 
-    def _values(self, row: int) -> tuple[int, int, int, int]:
-        return tuple(int(getattr(self, f)[row]) for f in self.FIELDS)  # type: ignore[return-value]
+    def _values(self, row: int) -> tuple[int, ...]:
+        return tuple(int(getattr(self, f)[row]) for f in self.FIELDS)
 
-    def _set(self, row: int, values: tuple[int, int, int, int]) -> None:
+    def _set(self, row: int, values: tuple[int, ...]) -> None:
         for name, value in zip(self.FIELDS, values):
             getattr(self, name)[row] = value
 
@@ -91,7 +93,7 @@ class RowTable:
             slot = self.slot_of[request_id] = self.free_slots.pop()
             if self.on_new_slot is not None:
                 self.on_new_slot(slot)
-        self._set(row, (0, 0, policy, slot))
+        self._set(row, (0, 0, policy, slot, 0))
 
     def park(self, request_id: str, row: int) -> None:
         """The request leaves the batch (before vLLM clears its row)."""
@@ -107,7 +109,7 @@ class RowTable:
         self.forgotten.add(request_id)
 
     def clear(self, row: int) -> None:
-        self._set(row, (0, 0, -1, -1))
+        self._set(row, (0, 0, -1, -1, 0))
 
     def move(self, src: int, tgt: int) -> None:
         self._set(tgt, self._values(src))

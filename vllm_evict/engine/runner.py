@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vllm_evict.engine.buffers import EvictionBuffers, Geometry, ring_bytes
+from vllm_evict.engine.buffers import EvictionBuffers, Geometry, Layout, bytes_per_token, kv_share, ring_bytes
 from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.config import EvictionConfig
@@ -110,7 +110,9 @@ class EvictRunnerMixin:
                             query_heads=first.impl.num_heads, head_size=first.impl.head_size,
                             max_rows=self.input_batch.max_num_reqs,  # type: ignore[attr-defined]
                             dtype=first.kv_cache.dtype, device=first.kv_cache.device)
-        self.evict_buffers = buffers = EvictionBuffers(geometry)
+        self.evict_buffers = buffers = EvictionBuffers(geometry, self.evict_buffer_layout())
+        logger.info("vllm_evict: eviction's buffers hold %.1f MiB (states %s, query ring %d queries)",
+                    buffers.nbytes / 2**20, ", ".join(buffers.states) or "none", buffers.window)
         self.evict_rows = rows = RowTable(geometry.max_rows, self.evict_server, self.evict_policies,
                                           on_new_policy=self._on_new_policy, on_new_slot=buffers.reset_slot)
         install_row_hooks(self.input_batch, rows)  # type: ignore[attr-defined]
@@ -119,8 +121,10 @@ class EvictRunnerMixin:
         self.evict_layers, self.evict_layer_names = [], []
         for index, (name, module) in enumerate(layers):
             k, v = views(module.kv_cache)
-            self.evict_layers.append(LayerCache(index=index, k=k, v=v, positions=buffers.positions[index], state={},
-                                                ring=None, scale=float(module.impl.scale),
+            self.evict_layers.append(LayerCache(index=index, k=k, v=v, positions=buffers.positions[index],
+                                                state={n: b[index] for n, b in buffers.states.items()},
+                                                ring=buffers.ring[index] if buffers.ring is not None else None,
+                                                scale=float(module.impl.scale),
                                                 head_offset=shard.head_offset if shard is not None else 0, shard=shard))
             self.evict_layer_names.append(name)
             impl = module.impl
@@ -136,14 +140,16 @@ class EvictRunnerMixin:
             logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
 
     def _on_new_policy(self, config: EvictionConfig, policy: Policy) -> None:
-        """A config not seen before: allocate its policy's state buffers and ring width, and its weights."""
+        """A config not seen before: check that the buffers reserved at start-up serve it (the front end
+        refuses a request that needs more), and read its weights."""
         buffers = self.evict_buffers
         if buffers is None:
             return
-        if buffers.ensure_policy(policy, config.budget):
-            for cache in self.evict_layers:
-                cache.state = {name: buffer[cache.index] for name, buffer in buffers.states.items()}
-                cache.ring = buffers.ring[cache.index] if buffers.ring is not None else None
+        missing = buffers.missing(policy.state_names, policy.head_state_names,
+                                  policy.window_for(config.budget) if config.elastic else 0)
+        if missing is not None:
+            raise ValueError(f"vllm_evict: {config.policy} needs {missing}, which this server did not reserve at "
+                             "start-up (the front end refuses such requests)")
         if policy.needs_o_proj:
             for cache, name in zip(self.evict_layers, self.evict_layer_names):
                 if cache.o_proj is None:
@@ -169,12 +175,27 @@ class EvictRunnerMixin:
                              f"of {world} ({total} in the model), the KV cache has {local_heads}")
         return shard
 
+    def evict_buffer_layout(self) -> Layout:
+        """What the buffers reserve at start-up: the states every method a request may use keeps, and on
+        an elastic server the query ring (vllm_evict/reservation.py decides which)."""
+        if self.evict_server is None:
+            return Layout()
+        # Interim, until the server's reservation (request_policies, max_window) lands: every state any
+        # registered method keeps, so that every per-request method works.
+        from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
+
+        server = _server_config(self.evict_server)
+        policy = server.build_policy()
+        states = dict.fromkeys(policy.state_names)
+        for name in (*BASE_POLICIES, *META_POLICIES):
+            states.update(dict.fromkeys(load_class(name).state_names))
+        window = max(32, policy.window_for(server.budget)) if server.elastic else 0
+        return Layout(states=tuple(states), head_states=policy.head_state_names, ring_window=window)
+
     def evict_kv_share(self, available: int) -> int:
         """The part of ``available`` KV-cache bytes left for K and V once eviction's buffers are counted:
-        the server policy's query ring (fixed), and per token the positions and the most state buffers
-        any policy keeps (``MAX_STATES``), in proportion to the K/V bytes of that token."""
-        from vllm_evict.engine.buffers import MAX_STATES, token_bytes
-
+        the query ring (elastic servers only), and per token the position and the reserved states, in
+        proportion to the K/V bytes of that token."""
         if self.evict_server is None:
             return available
         model, parallel = self.model_config, self.parallel_config  # type: ignore[attr-defined]
@@ -183,15 +204,15 @@ class EvictRunnerMixin:
         head_size = model.get_head_size()
         dtype = self.kv_cache_dtype if isinstance(getattr(self, "kv_cache_dtype", None), torch.dtype) else model.dtype
         element = torch.tensor([], dtype=dtype).element_size()
-        kv_per_token = layers * kv_heads * head_size * 2 * element
-        ours_per_token = token_bytes(layers, kv_heads, MAX_STATES)
-        server = _server_config(self.evict_server)
-        window = server.build_policy().window_for(server.budget)
-        rows = self.scheduler_config.max_num_seqs  # type: ignore[attr-defined]
-        ring = ring_bytes(layers, rows, window, query_heads, head_size, element)
-        share = int(max(available - ring, 0) * kv_per_token / (kv_per_token + ours_per_token))
-        logger.info("vllm_evict: %.1f MiB of the KV cache memory hold eviction's buffers (query ring %.1f MiB)",
-                    (available - share) / 2**20, ring / 2**20)
+        layout = self.evict_buffer_layout()
+        ring = ring_bytes(layers, self.scheduler_config.max_num_seqs, layout.ring_window,  # type: ignore[attr-defined]
+                          query_heads, head_size, element)
+        ours = bytes_per_token(layers, kv_heads, max(query_heads // max(kv_heads, 1), 1), layout)
+        share = kv_share(available, kv_per_token=layers * kv_heads * head_size * 2 * element, ours_per_token=ours,
+                         fixed=ring)
+        logger.info("vllm_evict: %.1f MiB of the KV cache memory (%.2f%%) hold eviction's buffers (query ring "
+                    "%.1f MiB, %d bytes per cached token)", (available - share) / 2**20,
+                    100 * (available - share) / max(available, 1), ring / 2**20, ours)
         return share
 
     # ---- step bookkeeping ----------------------------------------------------------------------

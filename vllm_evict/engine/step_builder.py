@@ -18,10 +18,10 @@ from vllm_evict.engine.buffers import EvictionBuffers
 from vllm_evict.engine.plan import EvictionPlan
 from vllm_evict.engine.rows import RowTable
 from vllm_evict.evict_step import (
-    Group, Record, StepPlan, build_group, evict_layer, record_step, ring_entries, state_initializers,
+    Group, Record, StepPlan, WindowStep, build_group, evict_layer, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.policies.base import Phase, Policy
-from vllm_evict.schedule import NEVER_RECORD, queries_needed_above
+from vllm_evict.schedule import window_end
 
 PHASES = (Phase.PREFILL, Phase.PROMPT_END, Phase.DECODE)
 
@@ -33,6 +33,25 @@ class Compaction:
     request_id: str
     logical: int  # logical tokens after this step
     keep: int  # tokens left in cache
+
+
+@dataclass
+class RowWindows:
+    """Per row of a step (see ``StepBuilder._windows``)."""
+
+    recorded: np.ndarray  # this step's queries that join the accumulated window
+    count: np.ndarray  # the window's queries after them
+    gain: np.ndarray  # the window's logit gain (NaN: none)
+    reset: bool | np.ndarray  # the step reads the window
+    ring: np.ndarray  # elastic rows: their queries go to the ring
+
+    def step(self, rows: np.ndarray, policy: Policy) -> WindowStep | None:
+        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window)."""
+        if not policy.accumulates_window or self.ring[rows[0]]:
+            return None
+        gain = self.gain[rows]
+        return WindowStep(recorded=self.recorded[rows], count=self.count[rows],
+                          gain=None if np.isnan(gain).all() else gain, reset=bool(self.reset[rows[0]]))
 
 
 @dataclass
@@ -63,19 +82,6 @@ class StepBuilder:
         self.page_size = buffers.geometry.page_size
         # Persistent per-row buffer of evicted counts on the device, refilled (not reallocated) per step.
         self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
-        self._record_above: tuple[tuple[int, int], np.ndarray] | None = None  # see ``record_above``
-
-    def record_above(self) -> np.ndarray:
-        """Per policy index (and -1, eviction off, last): ``queries_needed_above`` at the ring's width;
-        recomputed only when a policy is added or the ring grows."""
-        configs, window = self.rows.policies.configs, self.buffers.window
-        key = (len(configs), window)
-        if self._record_above is None or self._record_above[0] != key:
-            above = [queries_needed_above(c, page_size=self.page_size, window=window)
-                     if p.window_for(c.budget) > 0 else NEVER_RECORD  # no window: its queries are never read
-                     for c, p in zip(configs, self.rows.policies.policies)]
-            self._record_above = key, np.array([*above, NEVER_RECORD], dtype=np.int64)
-        return self._record_above[1]
 
     # ---- physical lengths ------------------------------------------------------------------------
     def make_lengths_physical(self, runner: Any, num_reqs: int, num_tokens: int) -> None:
@@ -122,20 +128,20 @@ class StepBuilder:
             keep[row] = kept
             compactions.append(Compaction(request_id, int(computed[row] + scheduled[row]), kept))
 
-        every_step = np.array([p.needs_every_step for p in policies] + [False], dtype=bool)[policy_index]
-        acting = (policy_index >= 0) & ((keep >= 0) | every_step)
         present = sorted(set(policy_index[policy_index >= 0].tolist()))
         if not present:  # no request in the batch has eviction on: nothing to record, nothing to time
             return None
         initializers, zero_states = state_initializers([policies[i] for i in present])
-
         prompt = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
-        record = self._record(runner, num_reqs, num_tokens, computed, scheduled,
-                              recording=self._recording(policy_index, computed, prompt, cached_after))
+        windows = self._windows(num_reqs, present, policy_index, computed, scheduled, cached_after, prompt, keep)
+
+        record = self._record(runner, num_reqs, num_tokens, computed, scheduled, recording=windows.ring)
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
                         zero_states=zero_states)
         record_step(self.buffers.positions, self.buffers.states, step)
 
+        every_step = np.array([p.needs_every_step for p in policies] + [False], dtype=bool)[policy_index]
+        acting = (policy_index >= 0) & ((keep >= 0) | every_step | (windows.recorded > 0) | windows.reset)
         rows_by_id: dict[str, int] = {}
         if acting.any():
             phase = phase_codes(computed, scheduled, prompt)
@@ -144,17 +150,48 @@ class StepBuilder:
                 rows = np.nonzero(acting & (key == k))[0]
                 step.groups.append(self._group(runner, rows, policies[int(policy_index[rows[0]])],
                                                PHASES[int(phase[rows[0]])], keep, computed, scheduled,
-                                               cached_after))
+                                               cached_after, windows))
                 rows_by_id.update({batch.req_ids[r]: int(r) for r in rows})
         return BuiltStep(plan=step, initializers=initializers, num_tokens=num_tokens, compactions=compactions,
                          rows=rows_by_id)
 
-    def _recording(self, policy_index: np.ndarray, computed: np.ndarray, prompt: np.ndarray,
-                   cached_after: np.ndarray) -> np.ndarray:
-        """Rows whose queries of this step go to the ring: prompt steps of eviction-on rows, and decode
-        steps once the row is near enough to its next eviction (``schedule.queries_needed_above``)."""
-        above = self.record_above()[policy_index]  # index -1 picks NEVER_RECORD
-        return ((computed < prompt) & (above < NEVER_RECORD)) | (cached_after > above)
+    def _windows(self, num_reqs: int, present: list[int], policy_index: np.ndarray, computed: np.ndarray,
+                 scheduled: np.ndarray, cached_after: np.ndarray, prompt: np.ndarray,
+                 keep: np.ndarray) -> "RowWindows":
+        """Each row's observation window in this step (``schedule.window_end``): the queries that join it,
+        its size after them, its logit gain, whether the step reads it; and the elastic rows, whose
+        queries go to the ring instead. Updates the rows' window counts."""
+        table = self.rows.policies
+        count = self.rows.window[:num_reqs]
+        recorded = np.zeros(num_reqs, dtype=np.int64)
+        reset = np.zeros(num_reqs, dtype=bool)
+        ring = np.zeros(num_reqs, dtype=bool)
+        gain = np.full(num_reqs, np.nan, dtype=np.float64)
+        logical_after = computed + scheduled
+        for index in present:
+            config, policy = table.configs[index], table.policies[index]
+            rows = np.nonzero(policy_index == index)[0]
+            if not policy.accumulates_window:
+                continue
+            if config.elastic:  # compressed at any step: its latest queries are kept in the ring
+                ring[rows] = True
+                continue
+            n = len(rows)
+            evicting = keep[rows] >= 0
+            end = window_end(cached_after=cached_after[rows], scheduled=scheduled[rows],
+                             logical_after=logical_after[rows], prompt=prompt[rows], evicting=evicting,
+                             budget=np.full(n, config.budget), slack=np.full(n, config.slack_for(self.page_size)),
+                             one_shot=np.full(n, config.schedule == "oneshot"),
+                             at_prompt_end=np.full(n, policy.window_at_prompt_end),
+                             in_decode=np.full(n, policy.window_in_decode))
+            recorded[rows] = end.recorded(cached_after[rows], scheduled[rows], policy.window_size(end.logical, end.kept))
+            row_gain = policy.window_gain(end.logical, end.kept)
+            if row_gain is not None:
+                gain[rows] = row_gain
+            reset[rows] = end.now
+        after = count + recorded
+        count[:] = np.where(reset, 0, after)
+        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring)
 
     def _record(self, runner: Any, num_reqs: int, num_tokens: int, computed: np.ndarray,
                 scheduled: np.ndarray, recording: np.ndarray) -> Record:
@@ -172,7 +209,7 @@ class StepBuilder:
                       ring_tokens=ring_tokens)
 
     def _group(self, runner: Any, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
-               computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray) -> Group:
+               computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
         lengths = cached_after[rows]
         pages = -(-int(lengths.max()) // self.page_size)
         index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
@@ -182,8 +219,8 @@ class StepBuilder:
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
                            scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
                            keep=keep[rows] if evicting else None,
-                           ring_rows=self.rows.slot[rows] if self.buffers.ring is not None else None,
-                           token_starts=runner.query_start_loc.np[rows])
+                           ring_rows=self.rows.slot[rows] if windows.ring[rows[0]] else None,
+                           token_starts=runner.query_start_loc.np[rows], window=windows.step(rows, policy))
 
 
 # ---- elastic mode: compression before the forward ------------------------------------------------
@@ -199,8 +236,8 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     victims = []
     for request_id, keep in plan.compress.items():
         row = batch.req_id_to_index.get(request_id)
-        evicted, cached, policy, slot = rows.parked[request_id] if row is None else (
-            int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), int(rows.slot[row]))
+        evicted, cached, policy, slot, _ = rows.parked[request_id] if row is None else (
+            int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), int(rows.slot[row]), 0)
         if cached != plan.compress_cached[request_id]:
             raise RuntimeError(f"vllm_evict: worker and scheduler disagree on request {request_id}: the worker "
                                f"has {cached} tokens cached, the scheduler compresses from "
@@ -236,7 +273,7 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     for request_id, row, evicted, cached, policy, slot, keep, _, _ in victims:
         pages = plan.compress_pages[request_id]
         runner.requests[request_id].block_ids[0][:] = pages
-        values = (evicted + cached - keep, keep, policy, slot)
+        values = (evicted + cached - keep, keep, policy, slot, 0)  # elastic rows keep no accumulated window
         if row is None:
             rows.parked[request_id] = values
             continue

@@ -23,13 +23,21 @@ eviction (i <= k there).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import EvictionInputs, Phase, Policy, StepResult
+from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, Phase, Policy, StepResult
 from vllm_evict.policies.options import check_int, check_odd_kernel
 from vllm_evict.policies.score_ops import DENSE, ScoreOps
+
+
+def sg_gain_host(length: np.ndarray, budget: np.ndarray) -> np.ndarray:
+    """``sg_gain`` on the host (the engine computes the window's gain when it records the queries)."""
+    i, k = length.astype(np.float64), budget.astype(np.float64)
+    ratio = np.where((i > 0) & (k > 0), i / np.maximum(k, 1.0), 1.0)
+    return np.sqrt(2.0 * np.maximum(np.log(ratio), 0.0)).astype(np.float32)
 
 
 def sg_gain(length: Tensor, budget: Tensor) -> Tensor:
@@ -57,9 +65,11 @@ class AhaKV(Policy):
     paper = "Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction (2025)"
     one_shot = True
     is_attention_mass = True
-    state_names = ("vnorm", "score")
+    state_names = ("vnorm", "score", WINDOW_MASS)
     computed_state = ("vnorm",)
     needs_every_step = True  # decode accumulates every step's SG-softmax row
+    window_at_prompt_end = True  # the prompt's last r queries seed the decode score, evicting or not
+    window_in_decode = False  # decode evictions rank by the accumulated score, not by a window
     recent: int = 32  # the observation window r = B_r, whose tokens are also kept
     value_kernel: int = 5  # odd average-pooling kernel of the value prior
     sinks: int = 0
@@ -75,6 +85,9 @@ class AhaKV(Policy):
 
     def protected_count(self, budget: int) -> int:
         return self.recent + self.sinks
+
+    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
+        return sg_gain_host(seq_len, budget)
 
     # ---- per-token state -----------------------------------------------------------------
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
@@ -115,7 +128,7 @@ class AhaKV(Policy):
 
     def window_score(self, inp: EvictionInputs) -> Tensor:
         """F [R, H_kv, N]: SG-softmax rows of the last r queries, summed over rows and the GQA group (§3.4, §3.6)."""
-        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(self.recent), gain=self.gain(inp))
+        return inp.window_mass(count=self.recent, gain=self.gain(inp))
 
     def refined_score(self, inp: EvictionInputs) -> Tensor:
         """F_hat = gamma_bar * F (Eq. 15), fp32 [R, H_kv, N], finite and non-negative."""
@@ -141,7 +154,12 @@ class AhaKV(Policy):
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         """Its mass sums SG-softmax rows over the last ``recent`` queries AND over the G heads of the group
         (times a value prior in (0, 1]); in decode it keeps adding G rows per step, which this ignores."""
-        rows = (inp.latest_query_positions(self.recent) >= 0).sum(dim=-1)
+        if inp.window_count is None:
+            rows = (inp.latest_query_positions(self.recent) >= 0).sum(dim=-1)
+        elif inp.phase is Phase.DECODE:  # the engine keeps no decode window for AhaKV: r rows, as above
+            rows = inp.seq_len.clamp(max=self.recent)
+        else:
+            rows = inp.window_count
         return rows * inp.group_size
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:

@@ -9,6 +9,15 @@ candidate slots (``vllm_evict.dense`` documents the padding convention). Per row
   with ``query_positions`` [R, W] (-1: no query in that entry)
 - ``state[name]`` [R, H_kv, N]   persistent per-token state (fp32), compacted together with K and V
 
+The observation window. A policy reads the attention mass of its window queries through
+``inp.window_mass(...)``, never from ``queries`` directly. Dense callers (the tests, the kernels'
+references) hand over the window's queries and the mass is computed from them. The engine keeps no
+queries for fixed-mode requests: it accumulates each window query's softmax row into the per-token
+state ``WINDOW_MASS`` when the query is computed (the keys it sees are exactly those it would see later,
+since nothing is evicted in between), following the policy's ``window_size`` / ``window_gain``, and
+sets ``window_count``; ``window_mass`` then returns that state. Its ``queries`` are then this step's
+own queries (what ``update_state`` of H2O and of AhaKV's decode reads).
+
 Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model (under tensor parallelism
 with more ranks than KV heads, ``queries`` holds this rank's share of the group: see ``kv_replicas``).
 Per-row numbers
@@ -31,8 +40,16 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
+import numpy as np
+
 from vllm_evict import dense
 from vllm_evict.policies.score_ops import DENSE, ScoreOps
+
+# Per-token states the engine accumulates for the observation window (see the module docstring): the
+# group sum of the window's softmax rows [H_kv], and, for policies that need it, per query head [H_kv, G].
+WINDOW_MASS = "wmass"
+WINDOW_MASS_HEADS = "wmass_heads"
+WINDOW_STATES = (WINDOW_MASS, WINDOW_MASS_HEADS)
 
 
 class Phase(str, enum.Enum):
@@ -98,6 +115,9 @@ class EvictionInputs:
     budget_max: int = 0  # the largest budget, known on the host so that shapes need no device sync
     max_seq_len: int = 0  # the largest seq_len, on the host (0: read from ``seq_len``, a device sync)
     ops: ScoreOps = DENSE  # where the heavy score arithmetic runs (the engine's reads its pages)
+    # int64 [R]: queries in the window the engine accumulated into state WINDOW_MASS (None: the window's
+    # queries are ``queries`` and its mass is computed from them).
+    window_count: Tensor | None = None
 
     # Shapes come from ``positions``, which is always a tensor, so asking them loads nothing.
     @property
@@ -154,6 +174,28 @@ class EvictionInputs:
     def latest_query_positions(self, count: Tensor | int) -> Tensor:
         """The query positions with all but each row's ``count`` most recent queries emptied."""
         return dense.latest_queries(self.query_positions, self.seq_len, count)
+
+    def window_mass(self, count: Tensor | int | None = None, gain: Tensor | float | None = None,
+                    per_query_head: bool = False) -> Tensor:
+        """Attention mass of the observation window: the sum over its queries of their softmax rows over
+        the candidates, fp32 [R, H_kv, N] (GQA group sum) or [R, H_kv, G, N] (``per_query_head``).
+
+        ``count`` (per row or one int; None: every window query) keeps each row's most recent queries,
+        ``gain`` multiplies their logits (AhaKV). When the engine accumulated the window as its queries
+        arrived (``window_count`` set), the policy's ``window_size``/``window_gain`` already chose the
+        same queries and gain, and the state is returned."""
+        if self.window_count is not None:
+            if per_query_head:
+                return self.state[WINDOW_MASS_HEADS].permute(0, 1, 3, 2).masked_fill(~self.valid.unsqueeze(2), 0.0)
+            return self.state[WINDOW_MASS].masked_fill(~self.valid, 0.0)
+        positions = self.query_positions if count is None else self.latest_query_positions(count)
+        return self.ops.window_mass(self, query_positions=positions, gain=gain, per_query_head=per_query_head)
+
+    def window_queries(self) -> Tensor:
+        """Queries in each row's observation window, int64 [R]."""
+        if self.window_count is not None:
+            return self.window_count
+        return (self.query_positions >= 0).sum(dim=-1)
 
     def zeros(self) -> Tensor:
         """fp32 [R, H, N] zeros."""
@@ -219,9 +261,43 @@ class Policy(ABC):
         return 0
 
     def window_for(self, budget: int | None) -> int:
-        """Queries the engine must buffer for a request keeping ``budget`` tokens (None: any budget):
-        ``query_window`` unless the policy reads fewer at that budget. Sizes the query ring."""
+        """The widest observation window of a request keeping ``budget`` tokens (None: any budget):
+        ``query_window`` unless the policy reads fewer at that budget. Checked against the server's
+        ``max_window``; sizes the query ring of elastic servers."""
         return self.query_window or 0
+
+    # ---- the observation window, as the engine accumulates it --------------------------------
+    # Whether the policy reads its window at the end of the prompt even when nothing is evicted there
+    # (AhaKV seeds its decode score from it), and whether decode evictions read it.
+    window_at_prompt_end: ClassVar[bool] = False
+    window_in_decode: ClassVar[bool] = True
+
+    @property
+    def accumulates_window(self) -> bool:
+        """The policy has an observation window (``query_window`` a positive int): the engine keeps
+        its mass in state WINDOW_MASS."""
+        window = self.query_window
+        return window is not None and window > 0
+
+    @property
+    def needs_window_heads(self) -> bool:
+        """The policy reads its window mass per query head (state WINDOW_MASS_HEADS, G values a token)."""
+        return False
+
+    @property
+    def head_state_names(self) -> tuple[str, ...]:
+        """Per-token states with a trailing query-head axis [.., G]."""
+        return (WINDOW_MASS_HEADS,) if self.needs_window_heads else ()
+
+    def window_size(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
+        """Queries in the window of an eviction that happens at logical length ``seq_len`` keeping
+        ``budget`` tokens (at a prompt end that evicts nothing: the cache length), per row, on the host.
+        The engine accumulates exactly the last that many queries before the eviction."""
+        return np.full(len(seq_len), self.query_window or 0, dtype=np.int64)
+
+    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray | None:
+        """The logit gain of the window's softmax rows per row (None: 1), for the same eviction."""
+        return None
 
     def protected_count(self, budget: int) -> int:
         """Tokens this policy always keeps; ``from_spec`` checks it fits in the budget."""
@@ -334,6 +410,24 @@ class MetaPolicy(Policy):
 
     def window_for(self, budget: int | None) -> int:
         return self.base.window_for(budget)
+
+    @property
+    def window_at_prompt_end(self) -> bool:  # type: ignore[override]
+        return self.base.window_at_prompt_end
+
+    @property
+    def window_in_decode(self) -> bool:  # type: ignore[override]
+        return self.base.window_in_decode
+
+    @property
+    def needs_window_heads(self) -> bool:
+        return self.base.needs_window_heads
+
+    def window_size(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
+        return self.base.window_size(seq_len, budget)
+
+    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray | None:
+        return self.base.window_gain(seq_len, budget)
 
     def protected_count(self, budget: int) -> int:
         return self.base.protected_count(budget)

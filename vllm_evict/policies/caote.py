@@ -74,6 +74,10 @@ class CAOTE(MetaPolicy):
                 f"caote_mode 'head' needs the base's per-query-head attention mass, which {self.base.name} "
                 f"does not provide; use caote_mode 'group', or one of these bases: {valid}")
 
+    @property
+    def needs_window_heads(self) -> bool:
+        return self.caote_mode == "head" or self.base.needs_window_heads
+
     def _head_scores(self, inp: EvictionInputs) -> Tensor:
         """Per query head errors combined in quadrature over the group: [R, H_kv, N]."""
         valid = inp.valid.unsqueeze(2)  # [R, 1, 1, N]

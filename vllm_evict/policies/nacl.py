@@ -26,11 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import EvictionInputs, Policy
+from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, Policy
 from vllm_evict.policies.options import check_float, check_int
 from vllm_evict.policies.random_policy import head_draws
 
@@ -67,6 +68,7 @@ class NaCl(Policy):
     paper = "Chen et al., NaCl: A General and Effective KV Cache Eviction Framework for LLMs at Inference Time (ACL 2024)"
     one_shot = True
     is_attention_mass = True
+    state_names = (WINDOW_MASS,)
     proxy: int | None = None  # n_p proxy queries; None: the spec's rule
     sinks: int = 4
     random_ratio: float = 7 / 19  # the share of the free budget drawn at random
@@ -108,20 +110,28 @@ class NaCl(Policy):
                 f"(budget - sinks) // 2 = {self._rule_cap(budget)}; raise the budget or lower sinks ({self.sinks})")
 
     # ---- scoring ---------------------------------------------------------------------------
+    def proxy_rule(self, seq_len: Tensor | np.ndarray, budget: Tensor | np.ndarray | None) -> Tensor | np.ndarray:
+        """n_p per row before the queries available are counted: ``proxy``, or the spec's rule at logical
+        length ``seq_len`` (int64, torch or numpy alike; ``budget`` None: the rule's cap is not applied)."""
+        if self.proxy is not None:
+            return seq_len * 0 + self.proxy
+        n_p = (seq_len + 9) // 10  # ceil(p / 10)
+        if isinstance(n_p, np.ndarray):
+            n_p = np.clip(n_p, 32, self.MAX_PROXY)
+            return n_p if budget is None else np.minimum(n_p, np.maximum((budget - self.sinks) // 2, 0))
+        n_p = n_p.clamp(32, self.MAX_PROXY)
+        return n_p if budget is None else torch.minimum(n_p, ((budget - self.sinks) // 2).clamp_min(0))
+
+    def window_size(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
+        return np.asarray(self.proxy_rule(seq_len.astype(np.int64), budget.astype(np.int64)), dtype=np.int64)
+
     def proxy_count(self, inp: EvictionInputs) -> Tensor:
         """n_p per row [R] (see the module docstring); with no budget the rule's cap is not applied."""
-        available = (inp.query_positions >= 0).sum(dim=-1)
-        if self.proxy is not None:
-            n_p = torch.full_like(available, self.proxy)
-        else:
-            n_p = torch.clamp(torch.ceil(inp.seq_len.double() / 10).long(), min=32, max=self.MAX_PROXY)
-            if inp.budget is not None:
-                n_p = torch.minimum(n_p, ((inp.budget - self.sinks) // 2).clamp_min(0))
-        return torch.minimum(n_p, available)
+        return torch.minimum(self.proxy_rule(inp.seq_len.long(), inp.budget), inp.window_queries())
 
     def proxy_score(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:
         """F [R, H_kv, N]: causal softmax column sums over the last ``n_proxy`` queries, GQA group mean."""
-        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(n_proxy)) / inp.group_size
+        return inp.window_mass(count=n_proxy) / inp.group_size
 
     def _protected(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:
         valid = inp.valid

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import EvictionInputs, Policy
+from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, Policy
 from vllm_evict.policies.options import check_choice, check_int, check_odd_kernel
 
 
@@ -24,6 +24,7 @@ class SnapKV(Policy):
     paper = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation (2024)"
     one_shot = True
     is_attention_mass = True
+    state_names = (WINDOW_MASS,)
     window: int = 32  # observation-window queries; their tokens are always kept
     kernel: int = 7  # odd pooling kernel
     pooling: str = "avg"  # "avg", "max" or "none"
@@ -42,12 +43,17 @@ class SnapKV(Policy):
     def protected_count(self, budget: int) -> int:
         return self.window + self.sinks
 
+    @property
+    def needs_window_heads(self) -> bool:
+        # Max pooling does not commute with the group mean; average pooling (and none) does.
+        return self.pooling == "max"
+
     def _pool(self, scores: Tensor, inp: EvictionInputs) -> Tensor:
         return dense.pool_in_position_order(scores, inp.positions, inp.valid, self.kernel, self.pooling)
 
     def window_mass(self, inp: EvictionInputs) -> Tensor:
         """Attention of the window queries summed over the window, GQA group mean: [R, H_kv, N]."""
-        return inp.ops.window_mass(inp) / inp.group_size
+        return inp.window_mass() / inp.group_size
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """The window's mass pooled over the whole token axis, window tokens included: finite for every
@@ -58,11 +64,11 @@ class SnapKV(Policy):
         """``attention_mass`` before the group mean: window column sums pooled per query head
         [R, H_kv, G, N] (CAOTE's per-head mode). With average pooling their group mean is
         ``attention_mass`` (pooling is linear)."""
-        return self._pool(inp.ops.window_mass(inp, per_query_head=True), inp)
+        return self._pool(inp.window_mass(per_query_head=True), inp)
 
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
         """The window rows the mass sums: the queries the row has (at most ``window``)."""
-        return (inp.query_positions >= 0).sum(dim=-1).clamp_min(1)
+        return inp.window_queries().clamp_min(1)
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         valid = inp.valid
@@ -73,10 +79,14 @@ class SnapKV(Policy):
         query head, the window's column sums with the window's own columns dropped (zeroing them before
         zero-padded pooling is the same thing), pooled, then the GQA group mean: [R, H_kv, N]. So the
         tokens just before the window get no share of the window's attention to itself. Pooling each
-        query head before the mean matters for max pooling only."""
-        window = dense.recent_mask(inp.positions, inp.valid, self.window).unsqueeze(2)  # [R, H, 1, N]
-        per_head = inp.ops.window_mass(inp, per_query_head=True).masked_fill(window, 0.0)
-        return self._pool(per_head, inp).mean(dim=2).masked_fill(~inp.valid, 0.0)
+        query head before the mean matters for max pooling only: average pooling is linear, so it pools
+        the group mean instead (one pass, and no per-query-head mass to keep)."""
+        window = dense.recent_mask(inp.positions, inp.valid, self.window)  # [R, H, N]
+        if self.needs_window_heads:
+            per_head = inp.window_mass(per_query_head=True).masked_fill(window.unsqueeze(2), 0.0)
+            return self._pool(per_head, inp).mean(dim=2).masked_fill(~inp.valid, 0.0)
+        mean = (inp.window_mass() / inp.group_size).masked_fill(window, 0.0)
+        return self._pool(mean, inp).masked_fill(~inp.valid, 0.0)
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         """As the original SnapKV: only the tokens before the window are scored and pooled, the window is

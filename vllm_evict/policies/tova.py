@@ -21,31 +21,30 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
+from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, SinksAndRecent
 from vllm_evict.policies.options import check_choice
 
 HEADS = ("layer", "group")
 
 
-def layer_mean(per_query_head: Tensor, positions: Tensor, valid: Tensor, bound: int,
-               query_heads: int | None = None, sum_over_layer: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """Mean over all query heads of the layer, per logical position: [R, H_kv, G, N] -> [R, H_kv, N].
+def layer_mean(per_kv_head: Tensor, positions: Tensor, valid: Tensor, bound: int,
+               query_heads: int, sum_over_layer: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Mean over all query heads of the layer, per logical position: [R, H_kv, N] group sums -> [R, H_kv, N].
 
     Each candidate gets the mean, over the layer's query heads, of the attention its logical position
     receives; a query head whose KV head no longer holds that position contributes 0 (as attention to an
     evicted token). Matching by position, not by slot, keeps this right whatever the slot order.
     ``bound``: a host int above every position (a padding slot counts at position ``bound``);
-    ``query_heads``: the layer's query heads (default: those here); ``sum_over_layer`` adds the other
-    tensor-parallel ranks' per-position totals (default: none)."""
-    rows, heads, group, n = per_query_head.shape
-    per_kv_head = per_query_head.sum(dim=2).masked_fill(~valid, 0.0)  # [R, H, N]
+    ``query_heads``: the layer's query heads; ``sum_over_layer`` adds the other tensor-parallel ranks'
+    per-position totals (default: none)."""
+    rows, heads, n = per_kv_head.shape
+    per_kv_head = per_kv_head.masked_fill(~valid, 0.0)
     index = positions.long().clamp(0, bound - 1).masked_fill(~valid, bound).view(rows, -1)
     totals = torch.zeros(rows, bound + 1, dtype=per_kv_head.dtype, device=per_kv_head.device)
     totals.scatter_add_(1, index, per_kv_head.view(rows, -1))
     if sum_over_layer is not None:
         totals = sum_over_layer(totals)
-    count = query_heads or heads * group
-    return (totals.gather(1, index).view(rows, heads, n) / count).masked_fill(~valid, 0.0)
+    return (totals.gather(1, index).view(rows, heads, n) / query_heads).masked_fill(~valid, 0.0)
 
 
 class TOVA(SinksAndRecent):
@@ -54,6 +53,7 @@ class TOVA(SinksAndRecent):
     paper = "Oren et al., Transformers are Multi-State RNNs (TOVA, 2024)"
     one_shot = False
     is_attention_mass = True
+    state_names = (WINDOW_MASS,)
     heads: str = "layer"  # "layer" or "group": which query heads the newest row is averaged over
 
     @property
@@ -67,17 +67,17 @@ class TOVA(SinksAndRecent):
     def group_masses(self, inp: EvictionInputs) -> Tensor:
         """A^(g)_{last, j} for every query head g of each group: [R, H_kv, G, N] (CAOTE's per-head mode)."""
         # Whatever window the caller hands over, only the newest query counts.
-        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(1), per_query_head=True)
+        return inp.window_mass(count=1, per_query_head=True)
 
     def attention_mass(self, inp: EvictionInputs) -> Tensor:
         """h_j = (1/G) sum_g A^(g)_{last, j}: one softmax row per query head, so it sums to 1 per KV head."""
-        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(1)) / inp.group_size
+        return inp.window_mass(count=1) / inp.group_size
 
     def ranking_mass(self, inp: EvictionInputs) -> Tensor:
         if self.heads == "group":
             return self.attention_mass(inp)
         # Under tensor parallelism the other ranks' query heads count too: their totals are added.
-        return layer_mean(self.group_masses(inp), inp.positions, inp.valid, inp.seq_len_bound,
+        return layer_mean(inp.window_mass(count=1), inp.positions, inp.valid, inp.seq_len_bound,
                           query_heads=inp.layer_query_heads, sum_over_layer=inp.ops.sum_over_layer)
 
     def mass_rows(self, inp: EvictionInputs) -> Tensor:
