@@ -43,12 +43,13 @@ if str(ROOT) not in sys.path:
 
 from vllm_evict import ops  # noqa: E402
 from vllm_evict.config import EvictionConfig  # noqa: E402
-from vllm_evict.engine.buffers import EvictionBuffers, Geometry  # noqa: E402
+from vllm_evict.engine.buffers import EvictionBuffers, Geometry, Layout  # noqa: E402
 from vllm_evict.evict_step import (  # noqa: E402
-    LayerCache, Record, StepPlan, build_group, evict_layer, record_layer, record_step, ring_entries,
+    LayerCache, Record, StepPlan, WindowStep, build_group, evict_layer, record_layer, record_step,
     state_initializers, tokens_view,
 )
 from vllm_evict.policies.base import Phase, Policy  # noqa: E402
+from vllm_evict.schedule import window_end  # noqa: E402
 
 UNMEASURED = "unmeasured"
 DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "kernels.md"
@@ -312,31 +313,40 @@ class EvictionStep:
         geometry = Geometry(layers=s.layers, num_pages=kv.num_pages, kv_heads=s.kv_heads, page_size=s.page_size,
                             query_heads=s.query_heads, head_size=s.head_size, max_rows=s.rows, dtype=s.dtype,
                             device=kv.device)
-        self.buffers = buffers = EvictionBuffers(geometry)
-        buffers.ensure_policy(policy)
+        # A fixed-mode server's buffers: the policy's states (its window mass among them), no query ring.
+        self.buffers = buffers = EvictionBuffers(geometry, Layout(states=policy.state_names,
+                                                                  head_states=policy.head_state_names))
         for state in buffers.states.values():
-            state.uniform_()  # accumulated attention, value norms: any non-negative values
-        if buffers.ring is not None:
-            buffers.ring.normal_()
+            state.uniform_()  # accumulated attention and window mass, value norms: any non-negative values
         self.caches = [
             LayerCache(index=i, k=kv.k, v=kv.v, positions=buffers.positions[i],
-                       state={name: b[i] for name, b in buffers.states.items()},
-                       ring=buffers.ring[i] if buffers.ring is not None else None, scale=s.head_size ** -0.5,
-                       o_proj=kv.o_proj[i] if policy.needs_o_proj else None)
+                       state={name: b[i] for name, b in buffers.states.items()}, ring=None,
+                       scale=s.head_size ** -0.5, o_proj=kv.o_proj[i] if policy.needs_o_proj else None)
             for i in range(s.layers)]
 
     def reset(self, sc: Scenario) -> None:
-        """The cache as it is before ``sc``: every slot's position is its index (no eviction yet), each
-        row's ring holds the queries of its last ``window`` positions."""
+        """The cache as it is before ``sc``: every slot's position is its index (no eviction yet)."""
         pages, positions = self.kv.slot_positions()
         self.buffers.positions[:, pages] = positions.view(1, -1, 1, positions.shape[-1])
-        if self.buffers.ring_positions is not None:
-            window = self.buffers.window
-            latest = torch.from_numpy(sc.computed).to(self.kv.device).view(-1, 1) - window + torch.arange(
-                window, device=self.kv.device)
-            ring = torch.full_like(self.buffers.ring_positions, -1)
-            ring.scatter_(1, latest.remainder(window), latest.where(latest >= 0, -1))
-            self.buffers.ring_positions.copy_(ring)
+
+    def window(self, sc: Scenario, rows: np.ndarray) -> WindowStep | None:
+        """The rows' accumulated window in this step, as the engine's step builder decides it
+        (``schedule.window_end``): the evicting rows read it, decode rows one page short of their
+        eviction (budget + slack = the context) add their query to it, a prompt end its last queries."""
+        policy, page = self.policy, self.kv.shapes.page_size
+        if not policy.accumulates_window:
+            return None
+        n = len(rows)
+        cached = sc.computed[rows] + sc.scheduled[rows]
+        prompt = cached if sc.phase is not Phase.DECODE else np.full(n, 1, dtype=np.int64)
+        end = window_end(cached_after=cached, scheduled=sc.scheduled[rows], logical_after=cached, prompt=prompt,
+                         evicting=sc.keep[rows] >= 0, budget=np.full(n, sc.context - page),
+                         slack=np.full(n, page), one_shot=np.full(n, policy.one_shot),
+                         at_prompt_end=np.full(n, policy.window_at_prompt_end),
+                         in_decode=np.full(n, policy.window_in_decode))
+        recorded = end.recorded(cached, sc.scheduled[rows], policy.window_size(end.logical, end.kept))
+        return WindowStep(recorded=recorded, count=recorded, gain=policy.window_gain(end.logical, end.kept),
+                          reset=bool(end.now[0]))
 
     def plan(self, sc: Scenario, inp: StepInputs) -> tuple[StepPlan, list[Policy]]:
         """``StepBuilder.build`` for this batch: the record of the step's tokens and one ``build_group``
@@ -344,21 +354,13 @@ class EvictionStep:
         ``seq_lens`` and slot mapping for rows that evicted before (a few ops on [R] and [T] tensors)."""
         kv, buffers, policy = self.kv, self.buffers, self.policy
         page = kv.shapes.page_size
-        ring_index = ring_tokens = None
-        if buffers.window:
-            rows = np.arange(len(sc.computed), dtype=np.int64)  # each request's ring slot: its row
-            entries, tokens = ring_entries(inp.token_rows, rows, inp.in_row, sc.scheduled, sc.computed,
-                                           buffers.window)
-            ring_index = torch.from_numpy(entries).to(kv.device, non_blocking=True)
-            if tokens is not None:
-                ring_tokens = torch.from_numpy(tokens).to(kv.device, non_blocking=True)
         record = Record(pages=inp.slot_mapping // page, offsets=inp.slot_mapping % page,
-                        positions=inp.positions.to(torch.int32), ring_index=ring_index, ring_tokens=ring_tokens)
+                        positions=inp.positions.to(torch.int32), ring_index=None)
         initializers, zero_states = state_initializers([policy])
-        step = StepPlan(record=record, groups=[], ring_positions=buffers.ring_positions, zero_states=zero_states)
+        step = StepPlan(record=record, groups=[], ring_positions=None, zero_states=zero_states)
         lengths = sc.computed + sc.scheduled
         evicting = sc.keep >= 0
-        acting = evicting | policy.needs_every_step
+        acting = evicting | policy.needs_every_step | policy.accumulates_window
         for kind in (False, True):
             rows = np.nonzero(acting & (evicting == kind))[0]
             if not len(rows):
@@ -369,8 +371,8 @@ class EvictionStep:
             step.groups.append(build_group(
                 policy, sc.phase, table, page, lengths=lengths[rows], computed=sc.computed[rows],
                 scheduled=sc.scheduled[rows], seed=np.zeros(len(rows), dtype=np.int64),
-                keep=sc.keep[rows] if kind else None, ring_rows=rows if buffers.ring is not None else None,
-                token_starts=inp.query_start[rows]))
+                keep=sc.keep[rows] if kind else None, ring_rows=None, token_starts=inp.query_start[rows],
+                window=self.window(sc, rows)))
         return step, initializers
 
     def record(self, plan: StepPlan, initializers: list[Policy], inp: StepInputs) -> None:
@@ -742,9 +744,10 @@ def step_lines(res: Results) -> list[str]:
         "",
         f"Per step, over all {s.layers} layers: *plan* builds the `StepPlan` (the record of the step's tokens, "
         "`build_group` for the acting rows; host arrays, a few host-to-device copies); *record* is `record_step` "
-        f"plus `record_layer` in each of the {s.layers} layers (positions, zeroed and computed per-token state, "
-        "the query ring); *evict* is `evict_layer` in one layer, scoring and compacting (or, for h2o, updating "
-        f"the accumulated attention of) the acting rows; *step* = plan + record + {s.layers} x evict. *host*: the "
+        f"plus `record_layer` in each of the {s.layers} layers (positions, zeroed and computed per-token state); "
+        "*evict* is `evict_layer` in one layer: the window queries' attention added to the window mass, then "
+        "scoring and compacting (or, for h2o, updating the accumulated attention of) the acting rows; "
+        f"*step* = plan + record + {s.layers} x evict. *host*: the "
         "time the Python calls of the whole step take to launch it (on a GPU, work queues behind it; on the "
         "critical path when the device is idle). *attention*: torch SDPA of the same step over the same "
         f"contexts ({s.layers} layers), the stand-in for vanilla vLLM's step. The real step also runs the "
@@ -752,8 +755,8 @@ def step_lines(res: Results) -> list[str]:
         "so for decode steps *step / floor* also compares the step with the least time any decode attention "
         "can take: its K/V bytes at the copy bandwidth.",
         "",
-        "Every layer's `LayerCache` has its own positions, states and ring (the engine's `EvictionBuffers`, "
-        f"sized for {s.rows} rows), and shares one layer's K/V pages; layer 0's evict phase is timed on a cache "
+        "Every layer's `LayerCache` has its own positions and states (the engine's `EvictionBuffers` of a "
+        "fixed-mode server, which keeps no queries), and shares one layer's K/V pages; layer 0's evict phase is timed on a cache "
         "restored before every call, and scaled to all layers.",
         "",
     ]

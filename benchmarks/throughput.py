@@ -119,20 +119,18 @@ def token_bytes(model: str, dtype: str) -> int:
 
 def buffer_bytes(model: str, dtype: str, pool_tokens: int, eviction: dict[str, Any], max_seqs: int) -> int:
     """Memory eviction's buffers take next to a KV pool of ``pool_tokens`` tokens (the worker's own rule,
-    ``EvictRunnerMixin.evict_kv_share``: the server policy's query ring, positions and states per token)."""
+    ``EvictRunnerMixin.evict_kv_share``: positions and reserved states per token, the query ring of an
+    elastic server)."""
     from transformers import AutoConfig
 
-    from vllm_evict.config import EvictionConfig
-    from vllm_evict.engine.buffers import MAX_STATES, ring_bytes
-    from vllm_evict.engine.buffers import token_bytes as state_bytes
+    from vllm_evict.engine.buffers import eviction_bytes, layout_for
 
     cfg = AutoConfig.from_pretrained(model)
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     element = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    config = EvictionConfig.from_mapping(eviction)
-    window = config.build_policy().window_for(config.budget)
-    ring = ring_bytes(cfg.num_hidden_layers, max_seqs, window, cfg.num_attention_heads, head, element)
-    return ring + pool_tokens * state_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, MAX_STATES)
+    return eviction_bytes(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
+                          query_heads=cfg.num_attention_heads, head_size=head, element=element,
+                          layout=layout_for(eviction), pool_tokens=pool_tokens, rows=max_seqs)
 
 
 def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_seqs: int | None = None) -> Any:

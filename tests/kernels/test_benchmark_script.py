@@ -140,8 +140,9 @@ def test_cpu_smoke_run_measures_every_row(bench, tmp_path):
 
 def test_the_timed_step_is_the_engine_step(bench):
     """On the benchmark's own batch: the record reaches every layer, each layer's computed state uses its
-    own output projection, the ring gets the step's queries, and the evicting row keeps what the dense
-    reference keeps while the others are untouched; the snapshot undoes the compaction."""
+    own output projection, the rows short of their eviction add their query's attention (one softmax row
+    per query head) to their window mass, and the evicting row keeps what the dense reference keeps while
+    the others are untouched; the snapshot undoes the compaction."""
     s = bench.SMALL
     context = s.contexts[0]
     kv = bench.PagedKV(s, context, torch.device("cpu"))
@@ -156,18 +157,18 @@ def test_the_timed_step_is_the_engine_step(bench):
     plan, initializers = critical.plan(sc, inp)
     critical.record(plan, initializers, inp)
     values = inp.value.view(-1, s.kv_heads, s.head_size).transpose(0, 1)
-    queries = inp.query.view(-1, s.query_heads, s.head_size)
-    window = critical.buffers.window
+    assert critical.buffers.ring is None  # a fixed-mode server keeps no queries
     for layer in range(s.layers):
         recorded = critical.buffers.positions[layer][pages, :, offsets]  # [T, H]
         assert torch.equal(recorded, inp.positions.int().view(-1, 1).expand(-1, s.kv_heads))
         nu = critical.buffers.states["nu"][layer][pages, :, offsets]  # [T, H]
         torch.testing.assert_close(nu, dense.value_norms(values, kv.o_proj[layer]).T)
-        entries = inp.positions % window
-        rows = torch.from_numpy(inp.token_rows)
-        assert torch.equal(critical.buffers.ring[layer][rows, entries], queries)
-    assert torch.equal(critical.buffers.ring_positions[torch.from_numpy(inp.token_rows), inp.positions % window],
-                       inp.positions)
+    wmass = critical.buffers.states["wmass"][0]
+    before = paged.gather_tokens(wmass, kv.block_table[1:], context).sum(dim=-1)  # [R-1, H]
+    critical.evict(plan, inp)
+    after = paged.gather_tokens(wmass, kv.block_table[1:], context).sum(dim=-1)
+    group = s.query_heads // s.kv_heads
+    torch.testing.assert_close(after - before, torch.full_like(before, float(group)))
 
     step = bench.EvictionStep(kv, EvictionConfig.from_spec("keydiff", budget=budget).build_policy())
     step.reset(sc)

@@ -19,6 +19,7 @@ that starts at 0) is written once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -115,3 +116,32 @@ def kv_share(available: int, *, kv_per_token: int, ours_per_token: int, fixed: i
     """The bytes of ``available`` left for K and V when eviction takes ``fixed`` bytes (the ring) plus
     ``ours_per_token`` next to every token's ``kv_per_token`` bytes of K and V."""
     return int(max(available - fixed, 0) * kv_per_token / (kv_per_token + ours_per_token))
+
+
+def eviction_bytes(*, layers: int, kv_heads: int, query_heads: int, head_size: int, element: int, layout: Layout,
+                   pool_tokens: int, rows: int) -> int:
+    """What eviction holds next to a KV pool of ``pool_tokens`` tokens served with ``rows`` running
+    requests at most: per token its positions and states, and the query ring (elastic servers)."""
+    group = max(query_heads // max(kv_heads, 1), 1)
+    return (pool_tokens * bytes_per_token(layers, kv_heads, group, layout)
+            + ring_bytes(layers, rows, layout.ring_window, query_heads, head_size, element))
+
+
+def layout_for(server: Mapping[str, Any] | None) -> Layout:
+    """What the buffers of a server with eviction settings ``server`` (additional_config["kv_eviction"])
+    reserve at start-up: the states every method a request may use keeps, and on an elastic server the
+    query ring."""
+    if not server:
+        return Layout()
+    from vllm_evict.config import EvictionConfig
+    from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
+
+    config = EvictionConfig.from_mapping(server)
+    policy = config.build_policy()
+    # Interim, until the server's reservation (request_policies, max_window) lands: every state any
+    # registered method keeps, so that every per-request method works.
+    states = dict.fromkeys(policy.state_names)
+    for name in (*BASE_POLICIES, *META_POLICIES):
+        states.update(dict.fromkeys(load_class(name).state_names))
+    window = max(32, policy.window_for(config.budget)) if config.elastic else 0
+    return Layout(states=tuple(states), head_states=policy.head_state_names, ring_window=window)

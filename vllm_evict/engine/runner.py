@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vllm_evict.engine.buffers import EvictionBuffers, Geometry, Layout, bytes_per_token, kv_share, ring_bytes
+from vllm_evict.engine.buffers import (
+    EvictionBuffers, Geometry, Layout, bytes_per_token, eviction_bytes, kv_share, layout_for,
+)
 from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.config import EvictionConfig
@@ -176,21 +178,8 @@ class EvictRunnerMixin:
         return shard
 
     def evict_buffer_layout(self) -> Layout:
-        """What the buffers reserve at start-up: the states every method a request may use keeps, and on
-        an elastic server the query ring (vllm_evict/reservation.py decides which)."""
-        if self.evict_server is None:
-            return Layout()
-        # Interim, until the server's reservation (request_policies, max_window) lands: every state any
-        # registered method keeps, so that every per-request method works.
-        from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
-
-        server = _server_config(self.evict_server)
-        policy = server.build_policy()
-        states = dict.fromkeys(policy.state_names)
-        for name in (*BASE_POLICIES, *META_POLICIES):
-            states.update(dict.fromkeys(load_class(name).state_names))
-        window = max(32, policy.window_for(server.budget)) if server.elastic else 0
-        return Layout(states=tuple(states), head_states=policy.head_state_names, ring_window=window)
+        """What the buffers reserve at start-up (``buffers.layout_for``)."""
+        return layout_for(self.evict_server)
 
     def evict_kv_share(self, available: int) -> int:
         """The part of ``available`` KV-cache bytes left for K and V once eviction's buffers are counted:
@@ -205,8 +194,9 @@ class EvictRunnerMixin:
         dtype = self.kv_cache_dtype if isinstance(getattr(self, "kv_cache_dtype", None), torch.dtype) else model.dtype
         element = torch.tensor([], dtype=dtype).element_size()
         layout = self.evict_buffer_layout()
-        ring = ring_bytes(layers, self.scheduler_config.max_num_seqs, layout.ring_window,  # type: ignore[attr-defined]
-                          query_heads, head_size, element)
+        rows = self.scheduler_config.max_num_seqs  # type: ignore[attr-defined]
+        ring = eviction_bytes(layers=layers, kv_heads=kv_heads, query_heads=query_heads, head_size=head_size,
+                              element=element, layout=layout, pool_tokens=0, rows=rows)
         ours = bytes_per_token(layers, kv_heads, max(query_heads // max(kv_heads, 1), 1), layout)
         share = kv_share(available, kv_per_token=layers * kv_heads * head_size * 2 * element, ours_per_token=ours,
                          fixed=ring)
