@@ -129,19 +129,13 @@ def eviction_bytes(*, layers: int, kv_heads: int, query_heads: int, head_size: i
 
 def layout_for(server: Mapping[str, Any] | None) -> Layout:
     """What the buffers of a server with eviction settings ``server`` (additional_config["kv_eviction"])
-    reserve at start-up: the states every method a request may use keeps, and on an elastic server the
-    query ring."""
+    hold: what its reservation (vllm_evict/reservation.py) says, i.e. the states of its method and of
+    its ``request_policies``, and on an elastic server a query ring ``max_window`` wide."""
     if not server:
         return Layout()
-    from vllm_evict.config import EvictionConfig
-    from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
+    from vllm_evict.config import ServerConfig
+    from vllm_evict.reservation import server_reservation
 
-    config = EvictionConfig.from_mapping(server)
-    policy = config.build_policy()
-    # Interim, until the server's reservation (request_policies, max_window) lands: every state any
-    # registered method keeps, so that every per-request method works.
-    states = dict.fromkeys(policy.state_names)
-    for name in (*BASE_POLICIES, *META_POLICIES):
-        states.update(dict.fromkeys(load_class(name).state_names))
-    window = max(32, policy.window_for(config.budget)) if config.elastic else 0
-    return Layout(states=tuple(states), head_states=policy.head_state_names, ring_window=window)
+    reservation = server_reservation(ServerConfig.from_mapping(server))
+    return Layout(states=tuple(sorted(reservation.states)), head_states=tuple(sorted(reservation.head_states)),
+                  ring_window=reservation.max_window if reservation.ring else 0)
