@@ -1,8 +1,12 @@
 """``EvictionConfig``: the one validated description of what to evict, used by the engine, the CLI,
-the HF reference runner and the tests alike.
+the HF reference runner and the tests alike; ``ServerConfig``: a server's config plus the options only a
+server may set (``SERVER_OPTIONS``).
 
 A policy spec is ``[META+]BASE``: ``snapkv``, ``keydiff``, ``caote+h2o``, ``criticalkv+snapkv``.
 Engine-level knobs (``schedule``, ``slack``, ``seed``, ``mode``) sit next to the policy's own options.
+Every value is bounded (``vllm_evict.policies.options``; docs/security.md lists the ranges), so whatever
+passes here fits the engine's int64/int32 arithmetic. A request is resolved against its server in
+``vllm_evict.request_settings``, which adds the engine's own bounds (``max_model_len``, ``max_window``).
 """
 
 from __future__ import annotations
@@ -13,10 +17,18 @@ from typing import Any, Mapping
 
 from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
 from vllm_evict.policies.base import Policy
-from vllm_evict.policies.options import check_choice, check_int
+from vllm_evict.policies.options import MAX_SEED, MAX_TOKENS, check_choice, check_int, show
 from vllm_evict.schedule import SCHEDULES
 
 ENGINE_OPTIONS = ("schedule", "slack", "seed", "mode")
+# Options of the server alone (``ServerConfig``), never of a request; ``EvictionConfig.from_mapping``
+# skips them so that a server's mapping reads as its eviction config too.
+SERVER_OPTIONS = ("max_window", "request_policies")
+# Options whose value is a width in tokens read through queries (or kept as such): at most max_window.
+WINDOW_OPTIONS = ("window", "proxy", "recent")
+MAX_WINDOW = 4096  # the largest max_window a server may reserve (NaCl's automatic rule needs <= 1024)
+DEFAULT_MIN_WINDOW = 32  # max_window is at least this by default: SnapKV's usual window fits any server
+MAX_SPEC_CHARS = 64  # a policy spec longer than this cannot name a method
 # fixed: the budget is a ceiling, kept by the schedule; elastic: the budget is a floor, and requests are
 # compressed toward it only when the KV pool runs short (instead of preempting).
 MODES = ("fixed", "elastic")
@@ -32,7 +44,9 @@ def valid_specs() -> str:
 def parse_spec(spec: Any) -> tuple[str | None, str]:
     """'caote+snapkv' -> ('caote', 'snapkv'); 'keydiff' -> (None, 'keydiff')."""
     if not isinstance(spec, str):
-        raise ValueError(f"eviction policy must be a string such as 'caote+snapkv', got {spec!r}")
+        raise ValueError(f"eviction policy must be a string such as 'caote+snapkv', got {show(spec)}")
+    if len(spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"unknown eviction policy {show(spec)}; {valid_specs()}")
     parts = [p.strip().lower() for p in spec.strip().split("+")]
     if len(parts) == 1 and parts[0] in BASE_POLICIES:
         return None, parts[0]
@@ -41,13 +55,13 @@ def parse_spec(spec: Any) -> tuple[str | None, str]:
     if len(parts) == 1 and parts[0] in META_POLICIES:
         raise ValueError(f"{parts[0]} is a meta score and needs a base, e.g. '{parts[0]}+snapkv'; {valid_specs()}")
     if len(parts) > 2 or (len(parts) == 2 and parts[1] in META_POLICIES):
-        raise ValueError(f"invalid eviction policy {spec!r}: at most one meta score over one base; {valid_specs()}")
+        raise ValueError(f"invalid eviction policy {show(spec)}: at most one meta score over one base; {valid_specs()}")
     if len(parts) == 2 and parts[0] in BASE_POLICIES and parts[1] in BASE_POLICIES:
-        raise ValueError(f"invalid eviction policy {spec!r}: {parts[0]} is a base, not a meta score; write "
+        raise ValueError(f"invalid eviction policy {show(spec)}: {parts[0]} is a base, not a meta score; write "
                          f"META+BASE with META one of {', '.join(META_POLICIES)}; {valid_specs()}")
     unknown = [p for p in parts if p not in BASE_POLICIES and p not in META_POLICIES]
     name = unknown[0] if unknown else spec
-    raise ValueError(f"unknown eviction policy {name!r} in {spec!r}; {valid_specs()}")
+    raise ValueError(f"unknown eviction policy {show(name)} in {show(spec)}; {valid_specs()}")
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,7 @@ class EvictionConfig:
         check_int("budget", budget, minimum=1)
         if slack is not None:
             check_int("slack", slack, minimum=1)
-        check_int("seed", seed, minimum=0)
+        check_int("seed", seed, minimum=0, maximum=MAX_SEED)
         check_choice("mode", mode, MODES)
         normalised = f"{meta}+{base}" if meta else base
         policy = build_policy(meta, base, options)  # validates option names and values
@@ -87,13 +101,16 @@ class EvictionConfig:
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> "EvictionConfig":
-        """From ``{"policy": "keydiff", "budget": 1024, "window": 32, ...}`` (additional_config, CLI JSON)."""
+        """From ``{"policy": "keydiff", "budget": 1024, "window": 32, ...}`` (additional_config, CLI JSON).
+
+        A server's mapping may also hold ``SERVER_OPTIONS``, which are not part of an eviction config and
+        are skipped here (``ServerConfig.from_mapping`` reads them)."""
         if not isinstance(mapping, Mapping):
-            raise ValueError(f"eviction config must be a JSON object, got {mapping!r}")
-        data = dict(mapping)
+            raise ValueError(f"eviction config must be a JSON object, got {show(mapping)}")
+        data = {k: v for k, v in mapping.items() if k not in SERVER_OPTIONS}
         bad = [k for k in data if not isinstance(k, str) or k in ("cls", "spec")]
         if bad:
-            raise ValueError(f"unknown option {bad[0]!r} in the eviction config")
+            raise ValueError(f"unknown option {show(bad[0])} in the eviction config")
         if "policy" not in data:
             raise ValueError(f"eviction config needs a 'policy' ({valid_specs()})")
         spec = data.pop("policy")
@@ -108,9 +125,14 @@ class EvictionConfig:
         """Decode slack in tokens: the configured one, or one KV page (the default, decided here only)."""
         return self.slack if self.slack is not None else page_size
 
-    def build_policy(self) -> Policy:
+    def build_policy(self, window_cap: int | None = None) -> Policy:
+        """The policy instance; ``window_cap``: the engine's max_window, which bounds a window the policy
+        sizes by itself (NaCl's automatic proxy count, ``Policy.cap_query_window``)."""
         meta, base = parse_spec(self.policy)
-        return build_policy(meta, base, dict(self.options))
+        policy = build_policy(meta, base, dict(self.options))
+        if window_cap is not None:
+            policy.cap_query_window(window_cap)
+        return policy
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy, "budget": self.budget, "schedule": self.schedule, "seed": self.seed}
@@ -134,11 +156,11 @@ def build_policy(meta: str | None, base: str, options: Mapping[str, Any]) -> Pol
                          f"attention mass; valid bases for {meta}: {valid}")
     meta_keys = set(meta_cls.defaults) if meta_cls else set()
     base_keys = set(base_cls.defaults)
-    unknown = sorted(k for k in options if k not in meta_keys | base_keys)
+    unknown = sorted((k for k in options if k not in meta_keys | base_keys), key=str)
     if unknown:
         spec = f"{meta}+{base}" if meta else base
         valid = sorted(meta_keys | base_keys | set(ENGINE_OPTIONS) | {"budget", "policy"})
-        raise ValueError(f"unknown option {unknown[0]!r} for {spec}; valid options: {', '.join(valid)}")
+        raise ValueError(f"unknown option {show(unknown[0])} for {spec}; valid options: {', '.join(valid)}")
     base_policy = base_cls(**{k: v for k, v in options.items() if k in base_keys and k not in meta_keys})
     base_policy.check_options()
     if meta_cls is None:
@@ -165,6 +187,97 @@ def _describe_protected(policy: Policy) -> str:
     options = getattr(policy, "base", policy).options  # a meta score protects what its base protects
     parts = [f"{k} {options[k]}" for k in ("sinks", "window", "recent", "proxy") if k in options]
     return " + ".join(parts) if parts else "its protected tokens"
+
+
+def window_widths(config: EvictionConfig, policy: Policy) -> dict[str, int]:
+    """The query widths a config asks of the engine, by what sets them: ``window_for(budget)`` (the
+    queries it reads at its budget) and every set window-like option (``WINDOW_OPTIONS``)."""
+    widths = {f"query window at budget {config.budget}": policy.window_for(config.budget)}
+    options = getattr(policy, "base", policy).options  # a meta score reads its base's windows
+    widths.update({name: options[name] for name in WINDOW_OPTIONS if isinstance(options.get(name), int)})
+    return widths
+
+
+# ---- the server: its eviction config and the options only it may set ------------------------------
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a server evicts by default (``eviction``) and what it reserves at start-up for requests:
+    ``max_window``, the widest query window (SnapKV window, NaCl proxy count, AhaKV recent window) any
+    request may use, and ``request_policies``, methods clients may choose beyond those whose needs the
+    server's own method covers (``vllm_evict.reservation`` turns both into what the worker allocates)."""
+
+    eviction: EvictionConfig
+    max_window: int
+    request_policies: tuple[str, ...] = ()
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> "ServerConfig":
+        """From the server's ``kv_eviction`` mapping (``--kv-eviction*`` flags, ``additional_config``)."""
+        eviction = EvictionConfig.from_mapping(mapping)
+        specs = mapping.get("request_policies", [])
+        if not isinstance(specs, (list, tuple)) or len(specs) > len(BASE_POLICIES) * (len(META_POLICIES) + 1):
+            raise ValueError(f"request_policies must be a list of eviction policies such as ['h2o', "
+                             f"'criticalkv+snapkv'], got {show(specs)}")
+        normalised = []
+        for spec in specs:
+            try:
+                meta, base = parse_spec(spec)
+                build_policy(meta, base, {})  # a meta score over a base it cannot wrap is refused here
+            except ValueError as err:
+                raise ValueError(f"request_policies: {err}") from None
+            normalised.append(f"{meta}+{base}" if meta else base)
+        if "max_window" in mapping:
+            max_window = check_int("max_window", mapping["max_window"], minimum=1, maximum=MAX_WINDOW)
+            widths = window_widths(eviction, eviction.build_policy(window_cap=max_window))
+            widest = max(widths.values())
+            if widest > max_window:
+                what = next(name for name, width in widths.items() if width == widest)
+                raise ValueError(f"max_window {max_window} is narrower than the server's own {what} ({widest}); "
+                                 f"raise max_window to at least {widest} or leave it unset")
+        else:
+            widest = max(window_widths(eviction, eviction.build_policy()).values())
+            max_window = max(DEFAULT_MIN_WINDOW, widest)
+            if max_window > MAX_WINDOW:
+                raise ValueError(f"the server's query window ({widest}) is wider than the largest max_window, "
+                                 f"{MAX_WINDOW}; shrink it")
+        return cls(eviction=eviction, max_window=max_window, request_policies=tuple(dict.fromkeys(normalised)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.eviction.to_dict(), "max_window": self.max_window,
+                "request_policies": list(self.request_policies)}
+
+
+# ---- JSON text from clients -------------------------------------------------------------------------
+MAX_CONFIG_CHARS = 4096  # the longest kv_eviction_config text a request may send
+
+
+def parse_json_object(text: str, name: str, max_chars: int = MAX_CONFIG_CHARS) -> dict[str, Any]:
+    """A JSON object from client text, strictly: at most ``max_chars`` characters, no NaN / Infinity
+    literals, no duplicate keys, no nesting deeper than Python can parse (every failure a ValueError
+    naming ``name`` and showing at most a short prefix of the text)."""
+    if len(text) > max_chars:
+        raise ValueError(f"{name} must be a JSON object of at most {max_chars} characters, got {len(text)}")
+
+    def refuse_constant(literal: str) -> Any:
+        raise ValueError(f"{name}: {literal} is not a number here; numbers must be finite")
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"{name} has the key {show(key)} twice")
+            seen[key] = value
+        return seen
+
+    try:
+        value = json.loads(text, parse_constant=refuse_constant, object_pairs_hook=unique_keys)
+    except RecursionError:
+        raise ValueError(f"{name} is nested too deeply; it must be a flat JSON object of options") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name} must be a JSON object, got {show(text)} ({err.msg} at character {err.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {show(text)}")
+    return value
 
 
 # ---- per-request overrides ----------------------------------------------------------------------

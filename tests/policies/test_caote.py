@@ -229,9 +229,9 @@ def test_head_mode_rejected_for_bases_without_per_head_mass():
 
 @pytest.mark.parametrize("options,message", [
     ({"caote_mode": "query"}, "caote_mode must be one of group, head"),
-    ({"eps": 0.0}, "eps must be > 0.0"),
-    ({"eps": 1.0}, "eps must be < 1.0"),
-    ({"eps": "small"}, "eps must be a number"),
+    ({"eps": 0.0}, r"eps must be a number in \(0, 1\), got 0.0"),
+    ({"eps": 1.0}, r"eps must be a number in \(0, 1\), got 1.0"),
+    ({"eps": "small"}, r"eps must be a number in \(0, 1\), got \'small\'"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ValueError, match=message):

@@ -237,10 +237,10 @@ def test_end_to_end_with_snapkv_keeps_window_and_budget():
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"alpha": 0.0}, "alpha must be > 0.0"),
-    ({"alpha": 1.5}, "alpha must be <= 1.0"),
+    ({"alpha": 0.0}, r"alpha must be a number in \(0, 1\], got 0.0"),
+    ({"alpha": 1.5}, r"alpha must be a number in \(0, 1\], got 1.5"),
     ({"alpha": "half"}, "alpha must be a number"),
-    ({"epsilon": -1e-3}, "epsilon must be >= 0.0"),
+    ({"epsilon": -1e-3}, r"epsilon must be a number in \[0, 1\], got -0.001"),
 ])
 def test_bad_options(options, message):
     with pytest.raises(ValueError, match=message):

@@ -159,11 +159,11 @@ def test_default_config_protects_nothing():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"recent": -1}, "recent must be an integer >= 0, got -1"),
-    ({"sinks": -2}, "sinks must be an integer >= 0, got -2"),
-    ({"recent": 1.5}, "recent must be an integer >= 0, got 1.5"),
-    ({"sinks": "4"}, "sinks must be an integer >= 0, got '4'"),
-    ({"recent": True}, "recent must be an integer >= 0, got True"),
+    ({"recent": -1}, "recent must be an integer in [0, 2147483647], got -1"),
+    ({"sinks": -2}, "sinks must be an integer in [0, 2147483647], got -2"),
+    ({"recent": 1.5}, "recent must be an integer in [0, 2147483647], got 1.5"),
+    ({"sinks": "4"}, "sinks must be an integer in [0, 2147483647], got '4'"),
+    ({"recent": True}, "recent must be an integer in [0, 2147483647], got True"),
     ({"window": 4}, "unknown option 'window' for h2o; valid options: budget, mode, policy, recent, schedule, "
                     "seed, sinks, slack"),
 ])

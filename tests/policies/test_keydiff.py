@@ -121,10 +121,10 @@ def test_recent_ablation_keeps_anchor_over_all():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"recent": -1}, "recent must be an integer >= 0, got -1"),
-    ({"sinks": -1}, "sinks must be an integer >= 0, got -1"),
-    ({"recent": 0.1}, "recent must be an integer >= 0, got 0.1"),
-    ({"sinks": "0"}, "sinks must be an integer >= 0, got '0'"),
+    ({"recent": -1}, "recent must be an integer in [0, 2147483647], got -1"),
+    ({"sinks": -1}, "sinks must be an integer in [0, 2147483647], got -1"),
+    ({"recent": 0.1}, "recent must be an integer in [0, 2147483647], got 0.1"),
+    ({"sinks": "0"}, "sinks must be an integer in [0, 2147483647], got '0'"),
     ({"anchor": "median"}, "unknown option 'anchor' for keydiff; valid options: budget, mode, policy, recent, "
                            "schedule, seed, sinks, slack"),
 ])

@@ -72,10 +72,10 @@ def test_protection():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"sinks": -1}, "sinks must be an integer >= 0, got -1"),
-    ({"recent": -1}, "recent must be an integer >= 0, got -1"),
-    ({"sinks": 1.0}, "sinks must be an integer >= 0, got 1.0"),
-    ({"recent": [2]}, "recent must be an integer >= 0, got [2]"),
+    ({"sinks": -1}, "sinks must be an integer in [0, 2147483647], got -1"),
+    ({"recent": -1}, "recent must be an integer in [0, 2147483647], got -1"),
+    ({"sinks": 1.0}, "sinks must be an integer in [0, 2147483647], got 1.0"),
+    ({"recent": [2]}, "recent must be an integer in [0, 2147483647], got a list of 1 entries"),
 ])
 def test_invalid_options(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -300,15 +300,15 @@ def test_class_contract():
 
 
 @pytest.mark.parametrize("budget,options,match", [
-    (100, {"proxy": 0}, r"proxy must be an integer >= 1"),
-    (100, {"proxy": -4}, r"proxy must be an integer >= 1"),
-    (100, {"proxy": 2.5}, r"proxy must be an integer >= 1"),
-    (100, {"sinks": -1}, r"sinks must be an integer >= 0"),
-    (100, {"random_ratio": -0.1}, r"random_ratio must be >= 0.0"),
-    (100, {"random_ratio": 1.5}, r"random_ratio must be <= 1.0"),
+    (100, {"proxy": 0}, r"proxy must be an integer in \[1, 2147483647\]"),
+    (100, {"proxy": -4}, r"proxy must be an integer in \[1, 2147483647\]"),
+    (100, {"proxy": 2.5}, r"proxy must be an integer in \[1, 2147483647\]"),
+    (100, {"sinks": -1}, r"sinks must be an integer in \[0, 2147483647\]"),
+    (100, {"random_ratio": -0.1}, r"random_ratio must be a number in \[0, 1\], got -0.1"),
+    (100, {"random_ratio": 1.5}, r"random_ratio must be a number in \[0, 1\], got 1.5"),
     (100, {"random_ratio": "half"}, r"random_ratio must be a number"),
-    (100, {"temperature": 0.0}, r"temperature must be > 0.0"),
-    (100, {"temperature": -1}, r"temperature must be > 0.0"),
+    (100, {"temperature": 0.0}, r"temperature must be a number in \[0.0001, 10000\], got 0.0"),
+    (100, {"temperature": -1}, r"temperature must be a number in \[0.0001, 10000\], got -1"),
     (64, {"proxy": 60}, r"budget 64 must be larger than the 64 tokens nacl always keeps"),
     (4, {}, r"budget 4 must be larger than the 4 tokens nacl always keeps"),
     (5, {}, r"budget 5 leaves no proxy query for nacl"),

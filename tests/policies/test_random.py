@@ -99,10 +99,10 @@ def test_cpu_and_gpu_agree():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"sinks": -1}, "sinks must be an integer >= 0, got -1"),
-    ({"recent": -5}, "recent must be an integer >= 0, got -5"),
-    ({"recent": "2"}, "recent must be an integer >= 0, got '2'"),
-    ({"sinks": False}, "sinks must be an integer >= 0, got False"),
+    ({"sinks": -1}, "sinks must be an integer in [0, 2147483647], got -1"),
+    ({"recent": -5}, "recent must be an integer in [0, 2147483647], got -5"),
+    ({"recent": "2"}, "recent must be an integer in [0, 2147483647], got '2'"),
+    ({"sinks": False}, "sinks must be an integer in [0, 2147483647], got False"),
 ])
 def test_invalid_options(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):

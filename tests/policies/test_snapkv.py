@@ -153,12 +153,12 @@ def test_short_window_and_mass_rows():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"window": 0}, "window must be an integer >= 1, got 0"),
-    ({"window": 2.5}, "window must be an integer >= 1, got 2.5"),
-    ({"kernel": 4}, "kernel must be an odd positive integer (pooling keeps the length), got 4"),
-    ({"kernel": 0}, "kernel must be an integer >= 1, got 0"),
+    ({"window": 0}, "window must be an integer in [1, 2147483647], got 0"),
+    ({"window": 2.5}, "window must be an integer in [1, 2147483647], got 2.5"),
+    ({"kernel": 4}, "kernel must be an odd integer in [1, 31] (pooling keeps the length), got 4"),
+    ({"kernel": 0}, "kernel must be an odd integer in [1, 31] (pooling keeps the length), got 0"),
     ({"pooling": "mean"}, "pooling must be one of avg, max, none; got 'mean'"),
-    ({"sinks": -1}, "sinks must be an integer >= 0, got -1"),
+    ({"sinks": -1}, "sinks must be an integer in [0, 2147483647], got -1"),
     ({"recent": 4}, "unknown option 'recent' for snapkv"),
 ])
 def test_invalid_options(options, message):

@@ -83,10 +83,10 @@ def test_scores_protect_sinks():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"sinks": -1}, "sinks must be an integer >= 0, got -1"),
-    ({"sinks": "4"}, "sinks must be an integer >= 0, got '4'"),
-    ({"sinks": 4.0}, "sinks must be an integer >= 0, got 4.0"),
-    ({"sinks": None}, "sinks must be an integer >= 0, got None"),
+    ({"sinks": -1}, "sinks must be an integer in [0, 2147483647], got -1"),
+    ({"sinks": "4"}, "sinks must be an integer in [0, 2147483647], got '4'"),
+    ({"sinks": 4.0}, "sinks must be an integer in [0, 2147483647], got 4.0"),
+    ({"sinks": None}, "sinks must be an integer in [0, 2147483647], got None"),
     ({"recent": 3}, "unknown option 'recent' for streamingllm; valid options: budget, mode, policy, schedule, "
                     "seed, sinks, slack"),
 ])

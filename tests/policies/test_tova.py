@@ -136,11 +136,11 @@ def test_layer_mode_does_not_depend_on_slot_order():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"recent": -1}, "recent must be an integer >= 0, got -1"),
-    ({"sinks": -3}, "sinks must be an integer >= 0, got -3"),
-    ({"sinks": 2.0}, "sinks must be an integer >= 0, got 2.0"),
-    ({"recent": "1"}, "recent must be an integer >= 0, got '1'"),
-    ({"recent": None}, "recent must be an integer >= 0, got None"),
+    ({"recent": -1}, "recent must be an integer in [0, 2147483647], got -1"),
+    ({"sinks": -3}, "sinks must be an integer in [0, 2147483647], got -3"),
+    ({"sinks": 2.0}, "sinks must be an integer in [0, 2147483647], got 2.0"),
+    ({"recent": "1"}, "recent must be an integer in [0, 2147483647], got '1'"),
+    ({"recent": None}, "recent must be an integer in [0, 2147483647], got None"),
     ({"heads": "kv"}, "heads must be one of layer, group; got 'kv'"),
 ])
 def test_invalid_options(options, message):

@@ -43,7 +43,7 @@ LONG = 400  # every eviction test prompt has at least this many tokens (> 3x the
 
 # Per-request settings the front end must refuse, with a piece of the message each must carry.
 BAD_XARGS = [
-    ({"kv_budget": -5}, "budget must be an integer >= 1, got -5"),
+    ({"kv_budget": -5}, "budget must be an integer in [1, 2147483647], got -5"),
     ({"kv_eviction": "nope"}, "unknown eviction policy 'nope'"),
     ({"kv_budget": 8}, "budget 8 must be larger than the 32 tokens snapkv always keeps"),
     ({"kv_eviction": "none", "kv_budget": 64}, "kv_eviction 'none' turns eviction off for this request"),

@@ -227,6 +227,10 @@ class Policy(ABC):
         """Tokens this policy always keeps; ``from_spec`` checks it fits in the budget."""
         return 0
 
+    def cap_query_window(self, limit: int) -> None:
+        """Bound a window the policy sizes by itself (NaCl's automatic proxy count) by ``limit`` queries,
+        the engine's ``max_window``. Windows set by an option are checked against it, never capped."""
+
     def check_options(self) -> None:
         """Raise ValueError (see ``options.py``) for option values this policy cannot work with."""
 
@@ -337,6 +341,9 @@ class MetaPolicy(Policy):
 
     def protected_count(self, budget: int) -> int:
         return self.base.protected_count(budget)
+
+    def cap_query_window(self, limit: int) -> None:
+        self.base.cap_query_window(limit)
 
     def validate(self, budget: int) -> None:
         self.base.validate(budget)

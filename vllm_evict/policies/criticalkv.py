@@ -78,7 +78,7 @@ class CriticalKV(MetaPolicy):
 
     def check_options(self) -> None:
         check_float("alpha", self.alpha, low=0.0, high=1.0, low_open=True)
-        check_float("epsilon", self.epsilon, low=0.0)
+        check_float("epsilon", self.epsilon, low=0.0, high=1.0)
 
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
                    ops: ScoreOps = DENSE) -> dict[str, Tensor]:

@@ -13,7 +13,8 @@ Spec: nacl.md. Per KV head h, with the spec's recommended resolutions ([R]):
 
 Proxy count: the option ``proxy`` fixes n_p; ``None`` (default) uses the spec's rule
 n_p = min(max(32, ceil(p / 10)), floor((B - sinks) / 2)) with p the logical length, further bounded
-by the query buffer (``MAX_PROXY``) and by the queries available.
+by the query buffer (``MAX_PROXY``; in an engine also by its ``max_window``, see ``cap_query_window``)
+and by the queries available.
 
 The random stream: Gumbel noise comes from a counter-based hash of (request seed, layer, global KV
 head, logical length, token position) (``vllm_evict.dense.uniform_hash``), so the same request
@@ -85,12 +86,17 @@ class NaCl(Policy):
             return self.query_window
         return min(self.MAX_PROXY, max(1, self._rule_cap(budget)))
 
+    def cap_query_window(self, limit: int) -> None:
+        # The rule's n_p is also bounded by the queries the engine keeps (its max_window).
+        if self.proxy is None:
+            self.MAX_PROXY = max(1, min(type(self).MAX_PROXY, limit))
+
     def check_options(self) -> None:
         if self.proxy is not None:
             check_int("proxy", self.proxy, minimum=1)
         check_int("sinks", self.sinks)
         check_float("random_ratio", self.random_ratio, low=0.0, high=1.0)
-        check_float("temperature", self.temperature, low=0.0, low_open=True)
+        check_float("temperature", self.temperature, low=1e-4, high=1e4)
 
     def _rule_cap(self, budget: int) -> int:
         """floor((B - sinks) / 2): the spec's cap that leaves half the non-sink budget to selection."""
