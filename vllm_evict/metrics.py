@@ -12,7 +12,8 @@ as well, which does not read that entry point in vLLM 0.32/0.33. It is a ``Prome
 subclass, so vLLM uses it instead of (not next to) its default Prometheus logger: vLLM's metrics stay
 exactly as they are, and ours are added when the server runs with eviction. The engine core's numbers
 arrive in ``SchedulerStats.kv_eviction`` (``engine/stats.py``); rejected requests are counted in the
-front end, where they are refused (``record_rejection``).
+front end, where they are refused (``record_rejection``), and those the engine core refuses at its intake
+arrive with the step's stats (``refused_requests``, reason ``engine_intake``).
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def server_mapping(vllm_config: Any) -> dict[str, Any] | None:
 # ---- one request -----------------------------------------------------------------------------------
 def has_settings(extra_args: Mapping[str, Any] | None) -> bool:
     """Whether ``extra_args`` holds any eviction key (ours or a typo of one)."""
-    return bool(extra_args) and any(isinstance(k, str) and k.startswith(_OUR_PREFIXES) for k in extra_args)
+    return isinstance(extra_args, Mapping) and any(isinstance(k, str) and k.startswith(_OUR_PREFIXES)
+                                                   for k in extra_args)
 
 
 def resolve(server: tuple[ServerConfig, Reservation] | None, extra_args: Mapping[str, Any] | None, *,
