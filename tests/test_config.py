@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_evict.config import EvictionConfig, parse_spec, resolve_request_config
+from vllm_evict.config import EvictionConfig, parse_spec
 from vllm_evict.policies import BASE_POLICIES, META_POLICIES
 
 
@@ -142,75 +142,46 @@ def test_every_registered_name_parses():
             assert parse_spec(f"{meta}+{base}") == (meta, base)
 
 
-# ---- per-request overrides ------------------------------------------------------------------------
-
-SERVER = {"policy": "snapkv", "budget": 1024, "window": 16, "seed": 3, "slack": 64}
-
-
-def test_request_without_overrides_uses_the_server_config():
-    assert resolve_request_config(None, None) is None
-    assert resolve_request_config(None, {"unrelated": 1}) is None
-    cfg = resolve_request_config(SERVER, {"temperature_hint": 0})
-    assert cfg == EvictionConfig.from_mapping(SERVER)
+# ---- bounds: every value fits the engine's arithmetic, every message is short ------------------------
+M = 2**31 - 1
 
 
-@pytest.mark.parametrize("budget", [128, 4096])
-def test_request_lowers_or_raises_the_budget(budget):
-    cfg = resolve_request_config(SERVER, {"kv_budget": budget})
-    assert cfg.budget == budget and cfg.policy == "snapkv" and cfg.options["window"] == 16
-    assert cfg.seed == 3 and cfg.slack == 64
-
-
-def test_request_picks_another_policy():
-    cfg = resolve_request_config(SERVER, {"kv_eviction": "h2o"})
-    # snapkv's window does not apply to h2o; budget and engine knobs stay; h2o's own schedule default.
-    assert cfg.policy == "h2o" and cfg.budget == 1024 and cfg.seed == 3 and cfg.slack == 64
-    assert "window" not in cfg.options and cfg.schedule == "chunked"
-    cfg = resolve_request_config(SERVER, {"kv_eviction": "criticalkv+snapkv", "kv_budget": 512,
-                                          "kv_eviction_config": {"alpha": 0.25, "window": 8}})
-    assert cfg.policy == "criticalkv+snapkv" and cfg.budget == 512
-    assert cfg.options == {"alpha": 0.25, "window": 8}
-    # The same method spelled differently keeps the server's options.
-    cfg = resolve_request_config(SERVER, {"kv_eviction": " SnapKV ", "kv_eviction_config": {"kernel": 5}})
-    assert cfg.options == {"window": 16, "kernel": 5}
-
-
-@pytest.mark.parametrize("value", ["none", "off", "", " None "])
-def test_request_turns_eviction_off(value):
-    assert resolve_request_config(SERVER, {"kv_eviction": value}) is None
-    assert resolve_request_config(None, {"kv_eviction": value}) is None  # already off
-
-
-@pytest.mark.parametrize("extra,message", [
-    ({"kv_eviction": "none", "kv_budget": 64}, r"kv_eviction 'none' turns eviction off for this request"),
-    ({"kv_budget": 0}, r"invalid per-request KV eviction settings: budget must be an integer in \[1, 2147483647\], got 0"),
-    ({"kv_budget": "lots"}, r"invalid per-request KV eviction settings: budget must be an integer"),
-    ({"kv_budget": 16}, r"invalid per-request KV eviction settings: budget 16 must be larger than the 16"),
-    ({"kv_eviction": "nope"}, r"invalid per-request KV eviction settings: unknown eviction policy 'nope'"),
-    ({"kv_eviction": None}, r"invalid per-request KV eviction settings: eviction policy must be a string"),
-    ({"kv_eviction": "caote"}, r"invalid per-request KV eviction settings: caote is a meta score"),
-    ({"kv_eviction": "caote+keydiff"}, r"invalid per-request KV eviction settings: caote cannot wrap keydiff"),
-    ({"kv_eviction_config": [1]}, r"kv_eviction_config must be a JSON object"),
-    ({"kv_eviction_config": {"window": -2}}, r"invalid per-request KV eviction settings: window must be"),
-    ({"kv_eviction_config": {"bogus": 1}}, r"invalid per-request KV eviction settings: unknown option 'bogus'"),
-    ({"kv_eviction_config": {"schedule": "later"}}, r"schedule must be one of chunked, oneshot"),
+@pytest.mark.parametrize("spec,options,message", [
+    ("h2o", {"seed": 2**63}, r"seed must be an integer in \[0, 9223372036854775807\], got 9223372036854775808"),
+    ("h2o", {"seed": 2**64}, r"seed must be an integer in \[0, 9223372036854775807\], got 18446744073709551616"),
+    ("h2o", {"seed": 10**400}, r"seed must be an integer in .*, got an integer of 1329 bits$"),
+    ("h2o", {"slack": 2**31}, rf"slack must be an integer in \[1, {M}\], got 2147483648"),
+    ("snapkv", {"kernel": 33}, r"kernel must be an odd integer in \[1, 31\] \(pooling keeps the length\), got 33"),
+    ("snapkv", {"kernel": 134217729}, r"kernel must be an odd integer in \[1, 31\]"),
+    ("ahakv", {"value_kernel": 2**40 + 1}, r"value_kernel must be an odd integer in \[1, 31\]"),
+    ("snapkv", {"window": 2**31}, rf"window must be an integer in \[1, {M}\]"),
+    ("nacl", {"temperature": float("nan")}, r"temperature must be a number in \[0.0001, 10000\], got nan"),
+    ("nacl", {"temperature": float("inf")}, r"temperature must be a number in \[0.0001, 10000\], got inf"),
+    ("nacl", {"random_ratio": 10**400}, r"random_ratio must be a number in \[0, 1\], got an integer of 1329 bits"),
+    ("criticalkv+snapkv", {"alpha": float("-inf")}, r"alpha must be a number in \(0, 1\], got -inf"),
+    ("criticalkv+snapkv", {"epsilon": 2.0}, r"epsilon must be a number in \[0, 1\], got 2.0"),
+    ("caote+snapkv", {"eps": float("nan")}, r"eps must be a number in \(0, 1\), got nan"),
+    ("snapkv", {"pooling": ["avg"]}, r"pooling must be one of avg, max, none; got a list of 1 entries"),
+    ("snapkv", {"pooling": {"a": 1}}, r"pooling must be one of avg, max, none; got a JSON object of 1 entries"),
+    ("snapkv", {"pooling": "x" * 10**6}, r"pooling must be one of avg, max, none; got 'x{64}'\.\.\. \(1000000 characters\)$"),
+    ("tova", {"heads": True}, r"heads must be one of layer, group; got True"),
+    ("snapkv", {"window": [32]}, rf"window must be an integer in \[1, {M}\], got a list of 1 entries"),
+    ("snapkv", {"x" * 10**5: 1}, r"unknown option 'x{64}'\.\.\. \(100000 characters\) for snapkv"),
 ])
-def test_bad_request_values(extra, message):
-    with pytest.raises(ValueError, match=message):
-        resolve_request_config(SERVER, extra)
+def test_values_out_of_range_are_refused_with_a_short_message(spec, options, message):
+    with pytest.raises(ValueError, match=message) as info:
+        from_spec(spec, **options)
+    assert len(str(info.value)) < 400
 
 
-@pytest.mark.parametrize("extra", [{"kv_budget": 256}, {"kv_eviction": "h2o"},
-                                   {"kv_eviction_config": {"window": 8}}])
-def test_request_overrides_on_a_server_without_eviction(extra):
-    with pytest.raises(ValueError, match=r"this server runs without KV eviction.*--kv-eviction POLICY"):
-        resolve_request_config(None, extra)
+@pytest.mark.parametrize("spec", [1, 10**5000, "caote+" * 10**5, ["snapkv"]], ids=["int", "huge-int", "huge-str", "list"])
+def test_a_bad_spec_is_never_echoed_in_full(spec):
+    with pytest.raises(ValueError) as info:
+        from_spec(spec)
+    assert len(str(info.value)) < 400
 
 
-def test_request_options_may_arrive_as_json_text():
-    from vllm_evict.config import resolve_request_config
-
-    config = resolve_request_config({"policy": "snapkv", "budget": 64}, {"kv_eviction_config": '{"window": 16}'})
-    assert config.options["window"] == 16
-    with pytest.raises(ValueError, match=r"kv_eviction_config must be a JSON object, got '\{window'"):
-        resolve_request_config({"policy": "snapkv", "budget": 64}, {"kv_eviction_config": "{window"})
+def test_the_largest_values_are_accepted():
+    cfg = from_spec("nacl", M, seed=2**63 - 1, slack=M, temperature=1e4, random_ratio=1)
+    assert cfg.seed == 2**63 - 1 and cfg.budget == M
+    assert from_spec("snapkv", kernel=31).options["kernel"] == 31

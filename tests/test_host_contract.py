@@ -308,6 +308,55 @@ def check_sampling_params_extra_args(h: Host) -> None:
         f"vLLM changed SamplingParams.extra_args: got {getattr(params, 'extra_args', '<missing>')!r}")
 
 
+def check_sampling_params_clone(h: Host) -> None:
+    from vllm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, extra_args={"kv_budget": 8})
+    copy = params.clone()
+    copy.extra_args = {"kv_eviction_resolved": {"policy": "none"}}
+    assert params.extra_args == {"kv_budget": 8}, (
+        "vLLM changed SamplingParams.clone: the clone shares its extra_args attribute with the original")
+
+
+def check_refusal_at_intake(h: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What EvictScheduler._refuse and _report_refused do, on vLLM's own scheduler: a request added and at once
+    finished with FINISHED_ERROR keeps the engine stepping (has_requests), is never scheduled, and the error
+    output added to update_from_output's result reaches the front end through vLLM's msgpack wire."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_evict.engine.stats import widen_scheduler_stats_wire_type
+
+    widen_scheduler_stats_wire_type()  # as plugin.register() does before any decoder exists (msgspec caches types)
+    scheduler = h._build_scheduler()  # a fresh one: this check finishes requests
+    request = Request("refused-0", list(range(40)), SamplingParams(max_tokens=8), None)
+    scheduler.add_request(request)
+    finished = scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+    assert [r.request_id for r in finished] == ["refused-0"] and request.status == RequestStatus.FINISHED_ERROR, (
+        "vLLM changed Scheduler.finish_requests: a waiting request is not finished with FINISHED_ERROR")
+    assert scheduler.has_requests() and not scheduler.has_unfinished_requests(), (
+        "vLLM changed Scheduler.has_requests: a request finished before its first step no longer keeps the "
+        "engine stepping (its error output would never be sent)")
+    output = scheduler.schedule()
+    assert output.total_num_scheduled_tokens == 0 and "refused-0" in output.finished_req_ids, (
+        "vLLM changed Scheduler.schedule: a request finished at intake is scheduled, or its finish is not told "
+        "to the workers")
+    outputs = scheduler.update_from_output(output, EMPTY_MODEL_RUNNER_OUTPUT)
+    assert isinstance(outputs, dict), f"vLLM changed Scheduler.update_from_output: it returns {type(outputs)}"
+    eco = outputs.setdefault(0, EngineCoreOutputs())
+    eco.outputs.append(EngineCoreOutput(request_id="refused-0", new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                        kv_transfer_params={"kv_eviction_refused": "why"}))
+    wire = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(eco))
+    got = [o for o in wire.outputs if o.request_id == "refused-0"]
+    assert got and got[0].finish_reason == FinishReason.ERROR and got[0].kv_transfer_params == {
+        "kv_eviction_refused": "why"}, f"vLLM changed EngineCoreOutput: the error output decodes as {got!r}"
+    assert not scheduler.has_requests(), "vLLM changed Scheduler.has_requests: the refused request is still held"
+
+
 def check_vllm_config_fields(h: Host) -> None:
     config = h.vllm_config
     for path in ("additional_config", "model_config", "cache_config.block_size",
@@ -874,11 +923,19 @@ def _cases() -> list[Any]:
         "vllm.v1.engine.core.get_kv_cache_configs", "vllm_config", prefix=True))
     add("vllm.v1.engine.core.get_kv_cache_configs:call_site", check_get_kv_cache_configs_call_site)
     add("get_kv_cache_configs:defining_module", check_get_kv_cache_configs_home)
-    add("InputProcessor._validate_params", expect_params(
-        "vllm.v1.engine.input_processor.InputProcessor._validate_params", "self", "params", prefix=True))
-    add("InputProcessor._validate_params:call_site", expect_source(
-        "vllm.v1.engine.input_processor.InputProcessor", r"self\._validate_params\(",
-        "InputProcessor no longer calls self._validate_params, where the plugin validates per-request settings"))
+    add("InputProcessor.process_inputs:clones_sampling_params", expect_source(
+        "vllm.v1.engine.input_processor.InputProcessor.process_inputs", r"sampling_params\s*=\s*params\.clone\(\)",
+        "process_inputs no longer gives the EngineCoreRequest its own copy of the SamplingParams, into whose "
+        "extra_args the plugin writes the canonical eviction settings"))
+    add("SamplingParams.clone:copies_extra_args_dict", check_sampling_params_clone)
+    for protocol, request in (("completion", "CompletionRequest"), ("chat_completion", "ChatCompletionRequest")):
+        add(f"{request}.to_sampling_params:vllm_xargs_become_extra_args", expect_source(
+            f"vllm.entrypoints.openai.{protocol}.protocol.{request}.to_sampling_params",
+            r"extra_args[^=\n]*=\s*self\.vllm_xargs",
+            "vllm_xargs no longer become SamplingParams.extra_args, where the handler puts the canonical settings"))
+    add("LLMEngine.add_request:EngineCoreRequest_bypasses_process_inputs", expect_source(
+        "vllm.v1.engine.llm_engine.LLMEngine.add_request", r"isinstance\(prompt, EngineCoreRequest\)",
+        "LLMEngine.add_request no longer takes a ready EngineCoreRequest (the engine-intake tests send one)"))
     add("InputProcessor.vllm_config", expect_source(
         "vllm.v1.engine.input_processor.InputProcessor.__init__", r"self\.vllm_config\s*=",
         "InputProcessor no longer keeps self.vllm_config"))
@@ -916,7 +973,23 @@ def _cases() -> list[Any]:
         "a preempted request's evicted count"))
     add("Scheduler.update_from_output", expect_params(f"{SCHEDULER}.update_from_output", "self", "scheduler_output",
                                                       prefix=True))
-    add("Scheduler.finish_requests", expect_attr(f"{SCHEDULER}.finish_requests"))
+    add("Scheduler.finish_requests", expect_params(f"{SCHEDULER}.finish_requests", "self", "request_ids",
+                                                   "finished_status", prefix=True))
+    add("EngineCore.add_request:calls_scheduler.add_request", expect_source(
+        "vllm.v1.engine.core.EngineCore.add_request", r"self\.scheduler\.add_request\(request\)",
+        "the engine core no longer adds a request through self.scheduler.add_request, where the plugin's intake "
+        "refuses bad settings"))
+    add("EngineCore.step:has_requests_then_update_from_output", expect_source(
+        "vllm.v1.engine.core.EngineCore.step",
+        r"if not self\.scheduler\.has_requests\(\)[\s\S]*self\.scheduler\.update_from_output\(",
+        "a step no longer runs while the scheduler has (finished) requests, or no longer ends in "
+        "update_from_output, where a refused request's error output is sent"))
+    add("Scheduler:refuse_at_intake_with_an_error_output", check_refusal_at_intake)
+    add("FinishReason.ERROR:is_error", lambda: str(resolve("vllm.v1.engine.FinishReason").ERROR) == "error"
+        or pytest.fail("vLLM changed FinishReason.ERROR: no longer reported as 'error'"))
+    add("GenerateBaseServing._raise_if_error", expect_source(
+        "vllm.entrypoints.generate.base.serving.GenerateBaseServing._raise_if_error", r"GenerationError\(",
+        "the OpenAI server no longer answers an output with finish reason 'error' with GenerationError"))
     add("Scheduler:requests,kv_cache_manager,scheduler_config", check_scheduler_instance_attributes)
     add("Scheduler.schedule:advances_num_computed_tokens", check_schedule_advances_num_computed_tokens)
     add("KVCacheManager.allocate_slots", expect_params(

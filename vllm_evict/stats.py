@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 KEY = "kv_eviction"  # key inside kv_transfer_params
+# Key inside the kv_transfer_params of a request the engine refused at intake (finish reason "error"):
+# why, for a request that did not come through this plugin's front end (which refuses with HTTP 400).
+REFUSED_KEY = "kv_eviction_refused"
 POLICY_NONE = "none"  # the policy label of a request served with eviction turned off
 
 
@@ -44,6 +47,14 @@ class RequestEvictionStats:
         if missing:
             raise ValueError(f"eviction stats without {', '.join(missing)}: {dict(data)!r}")
         return cls(**{n: data[n] for n in names})
+
+
+def refusal_reason(output: Any) -> str | None:
+    """Why the engine refused a request (a ``RequestOutput`` or a parsed response), or None."""
+    params = output.get("kv_transfer_params") if isinstance(output, Mapping) else getattr(
+        output, "kv_transfer_params", None)
+    reason = params.get(REFUSED_KEY) if isinstance(params, Mapping) else None
+    return reason if isinstance(reason, str) else None
 
 
 def eviction_stats(output: Any) -> RequestEvictionStats | None:

@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests and benchmarks: a tiny random Llama built offline."""
+"""Helpers shared by the engine tests and benchmarks: tiny random models built offline (a GQA Llama, and a
+GPT-2, whose attention layers have no ``o_proj``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, heads: int = 4, 
     ``init_std`` is the weights' standard deviation: larger values give peakier attention, so scores
     depend on content rather than mostly on token age."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
     if (directory / "config.json").exists():
@@ -26,12 +26,37 @@ def build_tiny_llama(directory: str | Path, *, layers: int = 2, heads: int = 4, 
                          initializer_range=init_std)
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
+    _save_word_tokenizer(directory, vocab)
+    return directory
+
+
+def build_tiny_gpt2(directory: str | Path, *, layers: int = 2, heads: int = 4, hidden: int = 128, vocab: int = 512,
+                    seed: int = 0) -> Path:
+    """A random GPT-2 with the same word-level tokenizer: its attention's output projection is ``c_proj``,
+    so a method that needs every layer's ``o_proj`` (criticalkv) cannot run on it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=4096,
+                        bos_token_id=vocab - 2, eos_token_id=vocab - 1, torch_dtype="float32")
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    _save_word_tokenizer(directory, vocab)
+    return directory
+
+
+def _save_word_tokenizer(directory: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     words = [f"t{i}" for i in range(vocab - 3)] + ["<unk>", "<s>", "</s>"]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
-    return directory
 
 
 # vLLM in this process, on CPU, offline (no model hub), quiet: what the CPU benchmarks run under.

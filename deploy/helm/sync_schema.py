@@ -8,8 +8,9 @@ server would refuse by name:
 
 * ``eviction.policy.enum``: "none", every base policy, and every META+BASE pair the meta score accepts
   (the same rule ``vllm_evict.config.build_policy`` applies);
-* ``eviction.config.properties``: the engine options (schedule, slack, seed) and every policy option
-  name, typed after its default value. Which option applies to which policy is checked by the server
+* ``eviction.config.properties``: the engine options (schedule, slack, seed, mode), the server-only
+  options (max_window, request_policies: docs/security.md) and every policy option name, typed after its
+  default value. Which option applies to which policy is checked by the server
   at start-up; the schema only refuses names no policy knows and values of the wrong type;
 * ``eviction.allOf``: the smallest budget each policy accepts with its default options (the budget must
   exceed the tokens it always keeps, e.g. SnapKV's window of 32), applied while eviction.config sets no
@@ -54,13 +55,16 @@ def _json_type(value: Any) -> str | None:
 
 def config_properties() -> dict[str, dict[str, Any]]:
     """Property schema of every option name a policy or the engine knows."""
-    from vllm_evict.config import ENGINE_OPTIONS, MODES
+    from vllm_evict.config import ENGINE_OPTIONS, MAX_WINDOW, MODES, SERVER_OPTIONS
     from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
+    from vllm_evict.policies.options import MAX_SEED, MAX_TOKENS
     from vllm_evict.schedule import SCHEDULES
 
-    engine = {"schedule": {"enum": list(SCHEDULES)}, "slack": {"type": "integer", "minimum": 1},
-              "seed": {"type": "integer", "minimum": 0}, "mode": {"enum": list(MODES)}}
-    missing = set(ENGINE_OPTIONS) - set(engine)
+    engine = {"schedule": {"enum": list(SCHEDULES)}, "slack": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
+              "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED}, "mode": {"enum": list(MODES)},
+              "max_window": {"type": "integer", "minimum": 1, "maximum": MAX_WINDOW},
+              "request_policies": {"type": "array", "items": {"enum": policy_names()[1:]}}}
+    missing = set(ENGINE_OPTIONS) - set(engine) | set(SERVER_OPTIONS) - set(engine)
     if missing:
         raise RuntimeError(f"engine options {sorted(missing)} have no schema here: add them to config_properties()")
     types: dict[str, set[str | None]] = {}
@@ -96,7 +100,7 @@ def min_budget(spec: str, limit: int = 1 << 16) -> int:
 
 def budget_rules() -> list[dict[str, Any]]:
     """One if/then per smallest budget above 1: policies in the group, no policy option set -> minimum."""
-    from vllm_evict.config import ENGINE_OPTIONS
+    from vllm_evict.config import ENGINE_OPTIONS, SERVER_OPTIONS
 
     groups: dict[int, list[str]] = {}
     for spec in policy_names()[1:]:
@@ -106,7 +110,7 @@ def budget_rules() -> list[dict[str, Any]]:
         rules.append({
             "if": {"required": ["policy"],
                    "properties": {"policy": {"enum": groups[minimum]},
-                                  "config": {"propertyNames": {"enum": list(ENGINE_OPTIONS)}}}},
+                                  "config": {"propertyNames": {"enum": [*ENGINE_OPTIONS, *SERVER_OPTIONS]}}}},
             "then": {"properties": {"budget": {"minimum": minimum}}},
         })
     return rules

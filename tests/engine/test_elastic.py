@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from tests.engine.helpers import BLOCK, assert_worker_rows_clean, chosen_logprobs, greedy, token_prompt
-from vllm_evict.config import resolve_request_config
+from vllm_evict.request_settings import resolve_request_config
 from vllm_evict.reference import load_model, run_reference
 from vllm_evict.stats import eviction_stats
 
 pytestmark = pytest.mark.engine
 
-ELASTIC = {"policy": "snapkv", "budget": 64, "window": 16, "mode": "elastic"}
+ELASTIC = {"policy": "snapkv", "budget": 64, "window": 16, "mode": "elastic",
+           "request_policies": ["keydiff", "h2o", "ahakv"]}  # the per-request methods of REQUESTS
 
 
 class Recorder:

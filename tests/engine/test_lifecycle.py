@@ -62,7 +62,7 @@ def test_bad_request_fails_alone_with_a_clear_message(tiny_llama, engine_factory
     engine = engine_factory(tiny_llama, {"policy": "snapkv", "budget": 64})
     llm_engine = engine.llm.llm_engine
     llm_engine.add_request("good", token_prompt(120), greedy(8))
-    with pytest.raises(VLLMValidationError, match=r"invalid per-request KV eviction settings: budget must be an integer in \[1, 2147483647\], got -5"):
+    with pytest.raises(VLLMValidationError, match=r"invalid per-request KV eviction settings: kv_budget must be an integer in \[1, 2048\], got -5"):
         llm_engine.add_request("bad", token_prompt(50), greedy(4, kv_budget=-5))
     with pytest.raises(VLLMValidationError, match=r"unknown eviction policy 'nope'"):
         llm_engine.add_request("bad2", token_prompt(50), greedy(4, kv_eviction="nope"))

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from tests.engine.helpers import BLOCK, greedy, token_prompt
-from vllm_evict.config import resolve_request_config
+from vllm_evict.request_settings import resolve_request_config
 from vllm_evict.reference import load_model, run_reference
 
 pytestmark = pytest.mark.engine
 
-SERVER = {"policy": "snapkv", "budget": 64, "window": 16}
+SERVER = {"policy": "snapkv", "budget": 64, "window": 16,
+          "request_policies": ["keydiff", "h2o", "caote+snapkv", "random"]}  # the per-request methods below
 # name -> (prompt length, extra_args)
 REQUESTS = {
     "snap": (210, {}),

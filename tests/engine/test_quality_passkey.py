@@ -48,7 +48,7 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 REPEATS = 20  # filler sentences: about 540 tokens in all
 DEPTHS = (0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95, 0.5)
 BUDGET = 256
-ENGINE_EVICTION = {"policy": "snapkv", "budget": BUDGET}
+ENGINE_EVICTION = {"policy": "snapkv", "budget": BUDGET, "request_policies": ["keydiff"]}
 METHODS: dict[str, dict[str, Any] | None] = {  # per-request extra_args on the snapkv@256 engine
     "full": {"kv_eviction": "none"},
     "snapkv": None,  # the engine's own setting

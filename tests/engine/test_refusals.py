@@ -79,6 +79,11 @@ def test_v2_model_runner_is_refused(tiny_llama, monkeypatch):
     ({"policy": "nope", "budget": 10}, "unknown eviction policy 'nope'"),
     ({"policy": "snapkv", "budget": 16}, "budget 16 must be larger than the 32 tokens snapkv always keeps"),
     ({"policy": "snapkv"}, "a KV budget is required"),
+    ({"policy": "snapkv", "budget": 256, "seed": 2**63}, r"seed must be an integer in \[0, 9223372036854775807\]"),
+    ({"policy": "snapkv", "budget": 256, "max_window": 8}, r"max_window 8 is narrower than the server's own query "
+                                                           r"window at budget 256 \(32\)"),
+    ({"policy": "snapkv", "budget": 256, "request_policies": ["h2o", "nope"]},
+     "request_policies: unknown eviction policy 'nope'"),
 ])
 def test_bad_server_eviction_settings_are_refused(tiny_llama, mapping, message):
     with pytest.raises(ValueError, match=message):

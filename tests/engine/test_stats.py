@@ -19,7 +19,8 @@ from vllm.exceptions import VLLMValidationError
 
 from tests.engine.helpers import BLOCK, Engine, greedy, make_llm, token_prompt
 from tests.eviction_oracle import expected_run
-from vllm_evict.config import EvictionConfig, resolve_request_config
+from vllm_evict.config import EvictionConfig
+from vllm_evict.request_settings import resolve_request_config
 from vllm_evict.engine.stats import WORKER_REPORT_ATTR, WorkerReport, attach_worker_report
 from vllm_evict.engine.step_timer import StepTimer
 from vllm_evict.metrics import Metric, MetricSpec
@@ -146,7 +147,7 @@ def test_stop_string_request_reports_at_the_output_that_stopped_it(engine: Engin
 
 def test_rejected_override_counts_once_and_moves_nothing_else(engine: Engine) -> None:
     before = snapshot(engine)
-    with pytest.raises(VLLMValidationError, match="budget must be an integer in \[1, 2147483647\], got -5"):
+    with pytest.raises(VLLMValidationError, match=r"kv_budget must be an integer in \[1, 2048\], got -5"):
         engine.llm.generate([token_prompt(50)], greedy(4, kv_budget=-5))
     after = snapshot(engine)
     assert delta(before, after, Metric.REJECTED_REQUESTS.value, reason="invalid_settings") == 1

@@ -27,7 +27,7 @@ GEN_LEN = 40  # > budget's slack (one page): decode evicts at least once
 # their plans cross the executor's serialisation. Each method runs under its paper's default schedule.
 POLICIES = ["snapkv", "h2o", "tova", "streamingllm", "knorm", "keydiff", "ahakv", "caote+snapkv",
             "fastcaote+h2o", "criticalkv+snapkv", "random", "nacl"]
-SERVER_EVICTION = {"policy": "snapkv", "budget": BUDGET, "seed": 7}
+SERVER_EVICTION = {"policy": "snapkv", "budget": BUDGET, "seed": 7, "request_policies": POLICIES}
 KV_HEADS = {"kv4": 4, "kv1": 1}  # the two test models (conftest.py): model name -> KV heads
 
 

@@ -26,13 +26,14 @@ import pytest
 pytest.importorskip("vllm", reason="the server tests need vLLM (make install)")
 httpx = pytest.importorskip("httpx")
 
-from vllm_evict.config import resolve_request_config  # noqa: E402
+from vllm_evict.request_settings import resolve_request_config  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2"  # --served-model-name
 SERVER_EVICTION = {"policy": "snapkv", "budget": 128}
+MAX_MODEL_LEN = 2048
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_EVICT_TEST_SERVER_STARTUP_S", "240"))
 REQUEST_TIMEOUT_S = 120.0
 
@@ -43,7 +44,7 @@ LONG = 400  # every eviction test prompt has at least this many tokens (> 3x the
 
 # Per-request settings the front end must refuse, with a piece of the message each must carry.
 BAD_XARGS = [
-    ({"kv_budget": -5}, "budget must be an integer in [1, 2147483647], got -5"),
+    ({"kv_budget": -5}, "kv_budget must be an integer in [1, 2048], got -5"),
     ({"kv_eviction": "nope"}, "unknown eviction policy 'nope'"),
     ({"kv_budget": 8}, "budget 8 must be larger than the 32 tokens snapkv always keeps"),
     ({"kv_eviction": "none", "kv_budget": 64}, "kv_eviction 'none' turns eviction off for this request"),
@@ -94,7 +95,7 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     command = [
         sys.executable, "-m", "vllm_evict", "serve", str(smollm2_path), "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--seed", "0",
-        "--max-model-len", "2048", "--max-num-batched-tokens", "128", "--max-num-seqs", "8",
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "128", "--max-num-seqs", "8",
         "--block-size", "32", "--kv-eviction", SERVER_EVICTION["policy"],
         "--kv-budget", str(SERVER_EVICTION["budget"])]
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
@@ -161,7 +162,7 @@ def max_gap(a: list[float], b: list[float]) -> float:
 
 def expected_error(xargs: dict[str, Any]) -> str:
     with pytest.raises(ValueError) as info:
-        resolve_request_config(SERVER_EVICTION, xargs)
+        resolve_request_config(SERVER_EVICTION, xargs, max_model_len=MAX_MODEL_LEN)
     return str(info.value)
 
 
@@ -246,7 +247,7 @@ def test_kv_eviction_config_override_over_http(server: Server, client: Any) -> N
         "vllm_xargs": {"kv_eviction_config": '{"window": -1}'}})
     assert bad.status_code == 400
     assert bad.json()["error"]["message"] == ("invalid per-request KV eviction settings: window must be an "
-                                              "integer >= 1, got -1")
+                                              "integer in [1, 2147483647], got -1")
 
 
 def test_openai_client_gets_bad_request_error(openai_client: Any) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.eviction_oracle import expected_run
 from tests.server.conftest import CHUNK, EVICTION, MODEL, PAGE, words
-from vllm_evict.config import resolve_request_config
+from vllm_evict.request_settings import resolve_request_config
 from vllm_evict.local_server import LocalServer
 from vllm_evict.stats import KEY, RequestEvictionStats, eviction_stats
 

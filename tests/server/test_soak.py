@@ -1,5 +1,6 @@
 """The short soak (benchmarks/soak.py): 60 mixed requests, 8 at a time, against a real server (tiny Llama,
-a 24-page KV pool that makes vLLM preempt), then the checks that nothing is left behind. About 2 min on a
+a 24-page KV pool that makes vLLM preempt), hostile ones among them, then the checks that nothing is left
+behind. About 2 min on a
 quiet 2-core machine (start-up included); the 1000-request run with SmolLM2 is in docs/observability.md."""
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def soak() -> Iterator[Any]:
 
 def test_workload_has_every_kind_of_request(soak: Any) -> None:
     jobs = soak.make_jobs(1000, 0, soak.PROFILES["smollm2"], 8)
-    kinds = {kind: sum(j.kind == kind for j in jobs) for kind in ("good", "disconnect", "bad")}
-    assert 30 <= kinds["bad"] <= 70 and 150 <= kinds["disconnect"] <= 250, kinds
+    kinds = {kind: sum(j.kind == kind for j in jobs) for kind in ("good", "disconnect", "bad", "hostile")}
+    assert 30 <= kinds["bad"] <= 70 and 150 <= kinds["disconnect"] <= 250 and 70 <= kinds["hostile"] <= 130, kinds
+    hostile = {json.dumps(j.xargs, sort_keys=True) for j in jobs if j.kind == "hostile"}
+    assert len(hostile) == len(soak.HOSTILE_XARGS), "every hostile setting is in the 1000-request run"
+    assert all(j.expect_error for j in jobs if j.kind == "hostile")
     lengths = [j.prompt_len for j in jobs if j.kind == "good"]
     assert min(lengths) <= 10 and max(lengths) >= 2000
     gens = [j.max_tokens for j in jobs if j.kind == "good"]
@@ -48,5 +52,6 @@ def test_short_soak_passes(soak: Any, tmp_path: Path) -> None:
     assert status == 0, report["summary"]
     assert report["passed"] and not report["problems"] and not report["left_on_metrics"]
     assert report["counters"]["preemptions"] > 0, "the KV pool did not make vLLM preempt"
-    assert report["counters"]["rejected"] == report["kinds"]["bad"] > 0
+    assert report["counters"]["rejected"] == report["kinds"]["bad"] + report["kinds"]["hostile"]
+    assert report["kinds"]["bad"] > 0 and report["kinds"]["hostile"] > 0
     assert report["counters"]["evicted tokens"] > 0 and report["counters"]["freed pages"] > 0

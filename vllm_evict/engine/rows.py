@@ -12,6 +12,11 @@ rebuilt from Python lists per step.
 
 Each request also owns a slot of the query ring (engine/buffers.py) from its first step to its end
 (finish or preemption), so its recent queries never move, whatever happens to its row.
+
+A request's eviction config is the canonical form the scheduler accepted (``vllm_evict.request_settings``):
+the worker never parses a request's JSON. The policy table holds one entry per distinct config of the
+requests held here, and forgets an entry when its last request ends, so its size is bounded by the
+requests the worker holds, however many distinct configs (seeds, budgets) clients send.
 """
 
 from __future__ import annotations
@@ -20,26 +25,63 @@ from typing import Any, Callable
 
 import numpy as np
 
-from vllm_evict.config import EvictionConfig, resolve_request_config
+from vllm_evict.config import EvictionConfig
 from vllm_evict.policies.base import Policy
+from vllm_evict.request_settings import config_of_extra_args, server_settings
 
 
 class PolicyTable:
-    """The distinct eviction configs of the requests seen so far, each with its one policy instance."""
+    """The distinct eviction configs of the requests held now, each with its one policy instance.
 
-    def __init__(self) -> None:
+    Indices are what the row arrays hold. Each entry counts its users (``acquire`` / ``release``); an entry
+    without users is forgotten and its index goes to the next new config, so the table never holds more
+    entries than requests held at once (plus pinned ones, the server's own config). ``version`` changes
+    whenever an index gets a config, so that anything cached per index knows to rebuild.
+    ``window_cap``: the server's max_window, bounding the windows policies size by themselves."""
+
+    def __init__(self, window_cap: int | None = None) -> None:
         self.configs: list[EvictionConfig] = []
         self.policies: list[Policy] = []
+        self.users: list[int] = []
+        self.window_cap = window_cap
+        self.version = 0
         self._index: dict[str, int] = {}
+        self._free: list[int] = []
 
-    def index_of(self, config: EvictionConfig) -> int:
+    def acquire(self, config: EvictionConfig) -> tuple[int, bool]:
+        """The index of ``config``, counted as one more user; True when the entry is new."""
         key = str(config)
         index = self._index.get(key)
+        new = index is None
         if index is None:
-            index = self._index[key] = len(self.configs)
-            self.configs.append(config)
-            self.policies.append(config.build_policy())
-        return index
+            policy = config.build_policy(window_cap=self.window_cap)
+            if self._free:
+                index = self._free.pop()
+                self.configs[index], self.policies[index], self.users[index] = config, policy, 0
+            else:
+                index = len(self.configs)
+                self.configs.append(config)
+                self.policies.append(policy)
+                self.users.append(0)
+            self._index[key] = index
+            self.version += 1
+        self.users[index] += 1
+        return index, new
+
+    def release(self, index: int) -> None:
+        """One user of ``index`` is gone; the entry is forgotten with its last user."""
+        self.users[index] -= 1
+        if self.users[index] == 0:
+            del self._index[str(self.configs[index])]
+            self._free.append(index)
+
+    def index_of(self, config: EvictionConfig) -> int:
+        """The index of a config used for the table's whole life (the server's own): never released."""
+        return self.acquire(config)[0]
+
+    def live(self) -> int:
+        """Entries some request (or the server) uses."""
+        return len(self._index)
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -53,8 +95,11 @@ class RowTable:
     def __init__(self, max_rows: int, server: dict[str, Any] | None, policies: PolicyTable,
                  on_new_policy: Callable[[EvictionConfig, Policy], None] | None = None,
                  on_new_slot: Callable[[int], None] | None = None) -> None:
-        self.server = server
+        settings = server_settings(server)  # the server's kv_eviction mapping, parsed once
+        self.server = settings[0].eviction if settings is not None else None
         self.policies = policies
+        if settings is not None and policies.window_cap is None:
+            policies.window_cap = settings[1].max_window
         self.on_new_policy = on_new_policy
         self.on_new_slot = on_new_slot
         self.evicted = np.zeros(max_rows, dtype=np.int64)  # logical - physical tokens before the step
@@ -65,6 +110,7 @@ class RowTable:
         self.window = np.zeros(max_rows, dtype=np.int64)
         self.parked: dict[str, tuple[int, ...]] = {}  # out of the batch for a while, not finished
         self.slot_of: dict[str, int] = {}
+        self.policy_of: dict[str, int] = {}  # request id -> its entry in ``policies`` (released when forgotten)
         self.free_slots = list(range(max_rows - 1, -1, -1))
         self.forgotten: set[str] = set()  # finished or preempted in the step being set up
 
@@ -83,11 +129,16 @@ class RowTable:
             self._set(row, self.parked.pop(request_id))
             return
         params = getattr(request, "sampling_params", None)
-        config = resolve_request_config(self.server, params.extra_args if params is not None else None)
-        known = len(self.policies)
-        policy = -1 if config is None else self.policies.index_of(config)
-        if len(self.policies) > known and self.on_new_policy is not None:
-            self.on_new_policy(self.policies.configs[-1], self.policies.policies[-1])
+        config = config_of_extra_args(self.server, params.extra_args if params is not None else None)
+        held = self.policy_of.pop(request_id, None)
+        if held is not None:
+            self.policies.release(held)
+        policy = -1
+        if config is not None:
+            policy, new = self.policies.acquire(config)
+            self.policy_of[request_id] = policy
+            if new and self.on_new_policy is not None:
+                self.on_new_policy(config, self.policies.policies[policy])
         slot = self.slot_of.get(request_id)
         if slot is None:
             slot = self.slot_of[request_id] = self.free_slots.pop()
@@ -103,6 +154,9 @@ class RowTable:
     def forget(self, request_id: str) -> None:
         """The request finished, was aborted or was preempted: nothing of it is kept."""
         self.parked.pop(request_id, None)
+        policy = self.policy_of.pop(request_id, None)
+        if policy is not None:
+            self.policies.release(policy)
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.free_slots.append(slot)
@@ -122,7 +176,7 @@ class RowTable:
 
     def held_requests(self) -> set[str]:
         """Requests this table holds anything for (out of the batch or in it)."""
-        return set(self.parked) | set(self.slot_of)
+        return set(self.parked) | set(self.slot_of) | set(self.policy_of)
 
 
 def install_row_hooks(input_batch: Any, rows: RowTable) -> None:

@@ -135,11 +135,29 @@ class EvictRunnerMixin:
         if self.evict_server is not None:
             server = _server_config(self.evict_server)
             self._on_new_policy(server, self.evict_policies.policies[self.evict_policies.index_of(server)])
+            self._load_reserved_o_proj()
         from vllm_evict import csrc
 
         # Built (or found missing) now, not inside the first eviction's forward on every rank at once.
         if csrc.load_extension() is None and geometry.device.type == "cuda":
             logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
+
+    def _load_reserved_o_proj(self) -> None:
+        """Every layer's output projection, at start-up, when a method the server reserves needs it
+        (``Reservation.o_proj``): a model without one refuses to start instead of failing a request."""
+        from vllm_evict.request_settings import server_settings
+
+        settings = server_settings(self.evict_server)
+        if settings is None or not settings[1].o_proj or self.evict_buffers is None:
+            return
+        try:
+            for cache, name in zip(self.evict_layers, self.evict_layer_names):
+                if cache.o_proj is None:
+                    cache.o_proj = self._o_proj_weight(name, self.evict_buffers.geometry.dtype)
+        except ValueError as err:
+            specs = [settings[0].eviction.policy, *settings[0].request_policies]
+            raise ValueError(f"{err} (the server reserves it for {', '.join(specs)}: drop criticalkv from "
+                             f"--kv-eviction and from request_policies)") from None
 
     def _on_new_policy(self, config: EvictionConfig, policy: Policy) -> None:
         """A config not seen before: check that the buffers reserved at start-up serve it (the front end

@@ -11,6 +11,13 @@ Each step:
 3. for every scheduled request with eviction on, the scheduler applies the shared rule
    (``vllm_evict.schedule.eviction_target``) and attaches the plan to the SchedulerOutput; the workers
    evict right after each layer's attention of this step, keeping exactly that many tokens per head.
+
+Request intake. ``add_request`` is where the engine first sees a request: its eviction settings are
+resolved again (``vllm_evict.request_settings``; a request from this plugin's front end carries them in
+canonical form, one from elsewhere, e.g. a raw EngineCoreRequest, may carry the raw keys). A bad one is
+refused without raising (an exception here would kill the engine core): vLLM finishes it at once with
+``FINISHED_ERROR``, and the next ``update_from_output`` sends its client an output with finish reason
+``error`` whose ``kv_transfer_params["kv_eviction_refused"]`` says why.
 """
 
 from __future__ import annotations
@@ -22,13 +29,16 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_evict.config import EvictionConfig, resolve_request_config
+from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.elastic import ElasticCompressor
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.engine.stats import EvictionAccounting, EvictSchedulerStats, with_report, worker_report_of
+from vllm_evict.request_settings import RequestRefused, carry, has_settings, resolve, server_settings
 from vllm_evict.schedule import eviction_target, phase_of, request_bound
+from vllm_evict.stats import REFUSED_KEY
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
@@ -44,7 +54,9 @@ class EvictScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.server_eviction = server_eviction_mapping(self.vllm_config)
+        self.server_settings = server_settings(self.server_eviction)
         self.eviction_configs: dict[str, EvictionConfig | None] = {}
+        self.refused: dict[str, tuple[int, str]] = {}  # request id -> (client index, why), until reported
         self.evicted: dict[str, int] = {}  # request id -> logical - physical tokens
         self.pending_keep: dict[str, int] = {}  # request id -> tokens kept by last step's eviction
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -61,14 +73,38 @@ class EvictScheduler(Scheduler):
 
     # ---- per-request configuration ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        # The front end has validated extra_args already (plugin.validate_request), so this cannot fail
-        # for a request that came through the API or LLM.
         params = request.sampling_params
         extra = params.extra_args if params is not None else None
-        config = resolve_request_config(self.server_eviction, extra)
+        try:
+            resolved = resolve(self.server_settings, extra, max_model_len=self.vllm_config.model_config.max_model_len)
+        except RequestRefused as err:
+            self._refuse(request, str(err))
+            return
+        if params is not None and has_settings(extra):
+            params.extra_args = carry(extra, resolved)  # the worker reads only the canonical form
+        config = resolved.config
         self.eviction_configs[request.request_id] = config
         self.accounting.add(request.request_id, config, stop_strings=bool(params is not None and params.stop))
         super().add_request(request)
+
+    def _refuse(self, request: Request, message: str) -> None:
+        """Finish a request with bad settings at once, as vLLM finishes one it cannot serve (an error
+        output, reported by ``update_from_output``), so the engine core goes on."""
+        super().add_request(request)
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self.refused[request.request_id] = (request.client_index, message)
+        self.accounting.refused()
+        logger.warning("vllm_evict: refused request %s: %s", request.request_id, message)
+
+    def _report_refused(self, outputs: dict[int, Any]) -> None:
+        for request_id, (client, message) in self.refused.items():
+            output = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                      kv_transfer_params={REFUSED_KEY: message})
+            eco = outputs.get(client)
+            if eco is None:  # (vLLM has put the id in its finished set for this client, where it keeps one)
+                eco = outputs[client] = EngineCoreOutputs()
+            eco.outputs.append(output)
+        self.refused.clear()
 
     def config_of(self, request_id: str) -> EvictionConfig | None:
         return self.eviction_configs.get(request_id)
@@ -143,6 +179,8 @@ class EvictScheduler(Scheduler):
                            **kwargs: Any) -> Any:
         self.accounting.observe_worker(worker_report_of(model_runner_output))  # before make_stats runs
         outputs = super().update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
+        if self.refused:
+            self._report_refused(outputs)
         self._keep_stats_in_order(outputs)
         self._report_unfinished(outputs)
         self._forget_gone_requests()

@@ -37,6 +37,7 @@ class EvictionStepStats:
     pages_freed: int = 0
     eviction_steps: int = 0  # engine steps in which at least one request evicted (or was compressed)
     elastic_compressions: int = 0  # running elastic requests compressed to make room (instead of preempted)
+    refused_requests: int = 0  # requests refused at the engine's intake for their eviction settings
     finished_requests: dict[str, int] = field(default_factory=dict)  # policy -> requests that finished
     step_seconds: list[float] = field(default_factory=list)  # worker time in eviction, one entry per step
     tokens_cached: int = 0  # tokens physically cached by the running requests
@@ -137,6 +138,10 @@ class EvictionAccounting:
         self.evicted(request_id, tokens)
         self.freed(request_id, pages)
         self.step.elastic_compressions += 1
+
+    def refused(self) -> None:
+        """A request was refused at the engine's intake (it never ran)."""
+        self.step.refused_requests += 1
 
     def end_step(self) -> None:
         self.step.eviction_steps += int(self._evicted_in_step)
