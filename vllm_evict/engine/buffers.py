@@ -131,11 +131,11 @@ def layout_for(server: Mapping[str, Any] | None) -> Layout:
     """What the buffers of a server with eviction settings ``server`` (additional_config["kv_eviction"])
     hold: what its reservation (vllm_evict/reservation.py) says, i.e. the states of its method and of
     its ``request_policies``, and on an elastic server a query ring ``max_window`` wide."""
-    if not server:
-        return Layout()
-    from vllm_evict.config import ServerConfig
-    from vllm_evict.reservation import server_reservation
+    from vllm_evict.request_settings import server_settings
 
-    reservation = server_reservation(ServerConfig.from_mapping(server))
+    settings = server_settings(server)
+    if settings is None:
+        return Layout()
+    reservation = settings[1]
     return Layout(states=tuple(sorted(reservation.states)), head_states=tuple(sorted(reservation.head_states)),
                   ring_window=reservation.max_window if reservation.ring else 0)
