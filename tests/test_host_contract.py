@@ -318,6 +318,18 @@ def check_sampling_params_clone(h: Host) -> None:
         "vLLM changed SamplingParams.clone: the clone shares its extra_args attribute with the original")
 
 
+def check_vllm_xargs_assignment(h: Host) -> None:
+    """The OpenAI handler replaces a request's eviction keys in vllm_xargs by the canonical dict (not a value
+    the schema allows from clients): the assignment must stand and reach SamplingParams.extra_args."""
+    request_cls = resolve("vllm.entrypoints.openai.completion.protocol.CompletionRequest")
+    request = request_cls(model="m", prompt="hi", vllm_xargs={"kv_budget": 8, "other": "x"})
+    canonical = {"policy": "snapkv", "budget": 8, "schedule": "oneshot", "seed": 0}
+    request.vllm_xargs = {"other": "x", "kv_eviction_resolved": canonical}
+    params = request.to_sampling_params(max_tokens=4)
+    assert params.extra_args == {"other": "x", "kv_eviction_resolved": canonical}, (
+        f"vLLM changed CompletionRequest.vllm_xargs: an assigned dict reaches extra_args as {params.extra_args!r}")
+
+
 def check_refusal_at_intake(h: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     """What EvictScheduler._refuse and _report_refused do, on vLLM's own scheduler: a request added and at once
     finished with FINISHED_ERROR keeps the engine stepping (has_requests), is never scheduled, and the error
@@ -334,6 +346,8 @@ def check_refusal_at_intake(h: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     widen_scheduler_stats_wire_type()  # as plugin.register() does before any decoder exists (msgspec caches types)
     scheduler = h._build_scheduler()  # a fresh one: this check finishes requests
     request = Request("refused-0", list(range(40)), SamplingParams(max_tokens=8), None)
+    assert isinstance(getattr(request, "client_index", None), int), (
+        "vLLM changed Request.client_index: the refusal cannot be addressed to the request's front end")
     scheduler.add_request(request)
     finished = scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
     assert [r.request_id for r in finished] == ["refused-0"] and request.status == RequestStatus.FINISHED_ERROR, (
@@ -933,6 +947,7 @@ def _cases() -> list[Any]:
             f"vllm.entrypoints.openai.{protocol}.protocol.{request}.to_sampling_params",
             r"extra_args[^=\n]*=\s*self\.vllm_xargs",
             "vllm_xargs no longer become SamplingParams.extra_args, where the handler puts the canonical settings"))
+    add("CompletionRequest.vllm_xargs:assigned_canonical_settings_reach_extra_args", check_vllm_xargs_assignment)
     add("LLMEngine.add_request:EngineCoreRequest_bypasses_process_inputs", expect_source(
         "vllm.v1.engine.llm_engine.LLMEngine.add_request", r"isinstance\(prompt, EngineCoreRequest\)",
         "LLMEngine.add_request no longer takes a ready EngineCoreRequest (the engine-intake tests send one)"))
@@ -1148,7 +1163,7 @@ def _cases() -> list[Any]:
                                                 for attr in ("log_stats", "running")])
     add("Scheduler._free_request", expect_params(f"{SCHEDULER}._free_request", "self", "request", prefix=True))
     add("Scheduler._free_request:returns_kv_transfer_params", check_free_request_return_reaches_the_output)
-    for name in ("request_id", "finish_reason", "kv_transfer_params"):
+    for name in ("request_id", "new_token_ids", "finish_reason", "kv_transfer_params"):
         add(f"EngineCoreOutput.{name}", lambda name=name: (
             name in resolve("vllm.v1.engine.EngineCoreOutput").__struct_fields__
             or pytest.fail(f"vLLM changed EngineCoreOutput.{name}: no such field")))
