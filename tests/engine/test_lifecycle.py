@@ -121,7 +121,7 @@ def test_abort_returns_every_page(tiny_llama, engine_factory):
     while llm_engine.has_unfinished_requests():
         llm_engine.step()
     assert engine.free_pages() == engine.total_pages()
-    assert ids["drop"] not in engine.runner.input_batch.req_id_to_index
+    assert engine.runner.evict_view.row_of(ids["drop"]) is None
     assert_worker_rows_clean(engine, pending_finish=True)
 
 

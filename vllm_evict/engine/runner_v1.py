@@ -83,6 +83,9 @@ class V1View:
         self.batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical)
 
     # ---- requests between steps ------------------------------------------------------------------
+    def held_rows(self) -> dict[str, int]:
+        return dict(self.batch.req_id_to_index)
+
     def row_of(self, request_id: str) -> int | None:
         if request_id not in self.runner.requests:
             return None

@@ -113,6 +113,9 @@ class V2View:
         self.physical.seq_lens, self.physical.seq_lens_cpu_upper_bound = seq_lens, upper
 
     # ---- requests between steps ------------------------------------------------------------------
+    def held_rows(self) -> dict[str, int]:
+        return dict(self.runner.req_states.req_id_to_index)
+
     def row_of(self, request_id: str) -> int | None:
         return self.runner.req_states.req_id_to_index.get(request_id)
 

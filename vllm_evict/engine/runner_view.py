@@ -70,6 +70,9 @@ class RunnerView(Protocol):
         sequence lengths attention sees and from the slot positions; RoPE positions stay logical."""
 
     # ---- requests between steps ----------------------------------------------------------------------
+    def held_rows(self) -> dict[str, int]:
+        """Table row of every request the runner holds a row for (tests, debugging)."""
+
     def row_of(self, request_id: str) -> int | None:
         """The request's table row, None when the worker holds none for it (V1: out of the batch)."""
 
