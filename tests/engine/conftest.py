@@ -23,11 +23,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engine_factory() -> Iterator[Any]:
     made: list[Engine] = []
 
-    def factory(*args: Any, **kwargs: Any) -> Engine:
+    def factory(*args: Any, runner: str = TEST_RUNNER, **kwargs: Any) -> Engine:
         engine = Engine(make_llm(*args, **kwargs))
         made.append(engine)
         # The suite runs on the runner it was started for (VLLM_EVICT_TEST_RUNNER), or it tests nothing.
-        assert runner_kind(engine.runner) == TEST_RUNNER, f"vLLM built a {runner_kind(engine.runner)} runner"
+        assert runner_kind(engine.runner) == runner, f"vLLM built a {runner_kind(engine.runner)} runner, not {runner}"
         return engine
 
     yield factory
