@@ -28,9 +28,12 @@ from vllm_evict.engine.runner import EvictRunnerMixin
 class V1View:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.batch = runner.input_batch
-        self.max_rows = int(self.batch.max_num_reqs)
+        self.max_rows = int(runner.input_batch.max_num_reqs)
         self._arange = np.arange(self.max_rows, dtype=np.int64)
+
+    @property
+    def batch(self) -> Any:
+        return self.runner.input_batch  # vLLM may build a new one when it initializes the KV cache
 
     # ---- this step's batch ---------------------------------------------------------------------
     @property
