@@ -519,6 +519,18 @@ RUNNERS = ("v1", "v2")
 RUNNER_NAMES = {"v1": "V1 runner", "v2": "Model Runner V2"}
 
 
+def scenario_for(name: str, variants: str | None) -> Scenario:
+    """Scenario ``name``, with only vanilla and the ``variants`` named (comma-separated; None: all)."""
+    scenario = scenarios()[name]
+    if variants:
+        wanted = {"vanilla", *(v.strip() for v in variants.split(","))}
+        unknown = wanted - {v.name for v in scenario.variants}
+        if unknown:
+            raise SystemExit(f"{name} has no variant(s) {sorted(unknown)}; it has {[v.name for v in scenario.variants]}")
+        scenario.variants = [v for v in scenario.variants if v.name in wanted]
+    return scenario
+
+
 def select_runner(runner: str) -> None:
     """Make vLLM, imported after this, run ``runner`` in this process."""
     if runner == "v2":
@@ -537,6 +549,7 @@ def measure_in_process(args: argparse.Namespace, name: str, runner: str, rounds:
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.json"
         command = [sys.executable, str(Path(__file__).resolve()), name, "--runner", runner, "--rounds", str(rounds),
+                   *(["--variants", args.variants] if args.variants else []),
                    "--dtype", args.dtype, "--host-batches", args.host_batches, "--host-steps", str(args.host_steps),
                    "--raw", str(raw)] + (["--model", args.model] if args.model else [])
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -547,7 +560,7 @@ def run_both(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """Scenario ``name`` on both runners: each round runs every variant on V1, then on V2."""
     if name == "host":
         return {runner: measure_in_process(args, name, runner, 1) for runner in RUNNERS}
-    scenario = scenarios()[name]
+    scenario = scenario_for(name, args.variants)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {r: {v.name: [] for v in scenario.variants} for r in RUNNERS}
     for _ in range(args.rounds):
         for runner in RUNNERS:
@@ -598,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replot", type=Path, default=None, help="results JSON to draw --plot from, no measuring")
     parser.add_argument("--runner", choices=[*RUNNERS, "both"], default="v1",
                         help="vLLM's model runner: v1 (default), v2 (Model Runner V2), or both side by side")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variant names to run (default: all of the scenario's; vanilla always)")
     parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)  # run_both's worker processes
     args = parser.parse_args(argv)
     if args.replot is not None:
@@ -618,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "host":
             raw = host_time(model, args.dtype, [int(b) for b in args.host_batches.split(",")], args.host_steps)
         else:
-            raw = measure(model, args.dtype, scenarios()[args.what], args.rounds)
+            raw = measure(model, args.dtype, scenario_for(args.what, args.variants), args.rounds)
             for runs in raw.values():
                 for r in runs:
                     r["steps"], r["probe_steps"] = [asdict(x) for x in r["steps"]], [asdict(x) for x in r["probe_steps"]]
@@ -646,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             print("## host time of the eviction hooks per decode step (nothing evicted)\n")
             print(format_host(results["host"]))
         else:
-            out = run_scenario(model, args.dtype, scenarios()[name], args.rounds)
+            out = run_scenario(model, args.dtype, scenario_for(name, args.variants), args.rounds)
             results[name] = out
             print(format_scenario(out))
         print()
