@@ -26,6 +26,7 @@ SmolLM2-135M-Instruct in float32 (``vllm_evict.models``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -35,7 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -198,9 +199,10 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
                      use_tqdm=False)  # warm-up
         preempted = _count_preemptions(core.scheduler)
         steps = _time_steps(core)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        with interpreted_triton() as triton_s:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
         timed = list(steps)
         steps.clear()
         if variant.eviction is None:  # vanilla: the decode step of a short request (speedup_ceiling)
@@ -216,11 +218,39 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
                     compressions=sum(s.compressions for s in timed), passkey_hits=hits,
-                    eviction_s=sum(s.eviction for s in timed),
+                    eviction_s=sum(s.eviction for s in timed), triton_s=triton_s[0],
                     steps=timed, probe_steps=list(steps),
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
         close(llm)
+
+
+@contextlib.contextmanager
+def interpreted_triton() -> Iterator[list[float]]:
+    """Seconds spent in Triton kernels run by Triton's interpreter (Model Runner V2 on CPU without
+    triton-cpu, ``--runner v2``), accumulated into the yielded list's one entry; 0 when none run. The
+    interpreter costs every V2 variant the same per step, so a ratio to vanilla V2 without it is
+    (vanilla seconds - its Triton seconds) / (variant seconds - its Triton seconds)."""
+    spent = [0.0]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        yield spent
+        return
+    original = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    InterpretedFunction.run = run
+    try:
+        yield spent
+    finally:
+        InterpretedFunction.run = original
 
 
 def _count_preemptions(scheduler: Any):
@@ -342,7 +372,8 @@ def summarize(scenario: Scenario, results: dict[str, list[dict[str, Any]]]) -> d
             preemptions=runs[0]["preemptions"], pool_pages=runs[0]["pool_pages"], same_tokens_as_vanilla=same,
             compressions=runs[0]["compressions"], passkey_hits=runs[0]["passkey_hits"],
             seconds=statistics.median(r["seconds"] for r in runs),
-            eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name))
+            eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name),
+            triton_s=statistics.median(r.get("triton_s", 0.0) for r in runs))
     ceiling = min(ceilings, key=lambda c: c["ceiling"]) if ceilings else None
     return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary,
                 ceiling=ceiling)
@@ -369,6 +400,11 @@ def format_scenario(out: dict[str, Any]) -> str:
                      f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
                      + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
+    if any(r.get("triton_s") for r in out["results"].values()):
+        lines += ["", "Of each variant's seconds, in Triton kernels run by Triton's interpreter (Model Runner V2 "
+                  "on CPU), and its ratio to vanilla without them: " + "; ".join(
+                      f"{name} {r['triton_s']:.1f} s, {ratio_without_triton(out, name):.2f}x"
+                      for name, r in out["results"].items()) + "."]
     if (c := out.get("ceiling")) is not None:
         lines += ["", f"Ceiling on any variant's ratio to vanilla in this run: **{c['ceiling']:.2f}x** (vanilla's "
                   f"{c['vanilla_s']:.1f} s over a floor of {c['floor_s']:.1f} s = {s['requests']} x "
@@ -577,14 +613,21 @@ def format_runners(outs: dict[str, dict[str, Any]]) -> str:
     s = outs["v1"]["scenario"]
     lines = [f"## {s['name']} on both runners: x vanilla is to vanilla vLLM on the same runner", "",
              "| variant | " + " | ".join(f"{RUNNER_NAMES[r]} tokens/s | x vanilla" for r in RUNNERS)
-             + " | target | V2 / V1 tokens/s |",
-             "|---|" + "---|---|" * len(RUNNERS) + "---|---|"]
+             + " | V2 x vanilla without interpreted Triton | target | V2 / V1 tokens/s |",
+             "|---|" + "---|---|" * len(RUNNERS) + "---|---|---|"]
     for name in outs["v1"]["results"]:
         cells = [outs[r]["results"][name] for r in RUNNERS]
         target = f">= {cells[0]['target']}" if cells[0]["target"] else ""
         lines.append(f"| {name} | " + " | ".join(f"{c['tokens_per_s']:.1f} | {c['ratio']:.2f}" for c in cells)
-                     + f" | {target} | {cells[1]['tokens_per_s'] / cells[0]['tokens_per_s']:.2f} |")
+                     + f" | {ratio_without_triton(outs['v2'], name):.2f} | {target} | "
+                     f"{cells[1]['tokens_per_s'] / cells[0]['tokens_per_s']:.2f} |")
     return "\n".join(lines)
+
+
+def ratio_without_triton(out: dict[str, Any], name: str) -> float:
+    """A variant's ratio to vanilla with the time of interpreted Triton kernels taken out of both."""
+    variant, vanilla = out["results"][name], out["results"]["vanilla"]
+    return (vanilla["seconds"] - vanilla["triton_s"]) / (variant["seconds"] - variant["triton_s"])
 
 
 def format_host(rows: dict[str, Any]) -> str:
