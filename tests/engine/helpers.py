@@ -1,4 +1,5 @@
-"""Helpers for tests that run the real vLLM V1 engine on CPU, in process."""
+"""Helpers for tests that run the real vLLM V1 engine on CPU, in process, on the model runner the suite
+was started for (``VLLM_EVICT_TEST_RUNNER``, see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+import numpy as np  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
+# "v1": vLLM's V1 model runner; "v2": Model Runner V2 (tests/conftest.py makes vLLM choose it).
+TEST_RUNNER = os.environ.get("VLLM_EVICT_TEST_RUNNER", "v1")
 BLOCK = 32
 PAGE_BYTES_TINY = 2 * 2 * 32 * 2 * 4 * BLOCK  # layers * kv heads * head_dim * (K, V) * fp32 * tokens
 
@@ -69,18 +73,34 @@ def chosen_logprobs(output: Any) -> list[float]:
     return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
 
 
+def runner_kind(runner: Any) -> str:
+    """"v1" or "v2": the vLLM model runner under ``runner`` (with or without the eviction mixin)."""
+    import sys
+
+    v2 = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    return "v2" if v2 is not None and isinstance(runner, v2.GPUModelRunner) else "v1"
+
+
 def assert_worker_rows_clean(engine: Engine, pending_finish: bool = True) -> None:
-    """The worker holds eviction state only for requests that are alive: in the rows of its batch, and
-    for running requests a step left out (parked). The worker hears of a finish with the next step, as
-    vLLM's own runner does, so the batch may still hold requests the scheduler has finished
-    (``pending_finish``; False asserts that the batch holds none)."""
+    """The worker holds eviction state only for requests that are alive: in the rows vLLM's runner holds
+    (V1: the rows of its batch; V2: the requests' slots), and for running requests a V1 step left out
+    (parked). The worker hears of a finish with the next step, as vLLM's own runner does, so the runner
+    may still hold requests the scheduler has finished (``pending_finish``; False asserts it holds none)."""
     runner = engine.runner
-    rows, batch = runner.evict_rows, runner.input_batch
-    used = batch.num_reqs
-    assert (rows.policy[used:] == -1).all() and (rows.evicted[used:] == 0).all() and (rows.cached[used:] == 0).all()
-    assert (rows.slot[used:] == -1).all()
+    rows = runner.evict_rows
+    held = runner.evict_view.held_rows()
+    free = np.ones(len(rows.policy), dtype=bool)
+    free[list(held.values())] = False
+    assert (rows.policy[free] == -1).all() and (rows.evicted[free] == 0).all() and (rows.cached[free] == 0).all()
+    assert (rows.slot[free] == -1).all()
     alive = set(engine.scheduler.requests)
     assert set(rows.parked) <= alive, "the worker keeps state for a finished request"
-    assert set(rows.slot_of) <= alive | set(batch.req_ids), "a finished request still owns a ring slot"
+    assert set(rows.slot_of) <= alive | set(held), "a finished request still owns a ring slot"
     if not pending_finish:
-        assert set(batch.req_ids) <= alive
+        assert set(held) <= alive
+
+
+def cached_pages(runner: Any, request_id: str, tokens: int) -> Any:
+    """The pages holding a request's first ``tokens`` cached tokens, [pages] on the runner's device."""
+    pages = -(-tokens // runner.evict_buffers.geometry.page_size)
+    return runner.evict_view.page_table([request_id], pages)[0].long()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.helpers import BLOCK, chosen_logprobs, greedy, token_prompt
+from tests.engine.helpers import cached_pages, BLOCK, chosen_logprobs, greedy, token_prompt
 from vllm_evict import paged
 
 pytestmark = pytest.mark.engine
@@ -67,8 +67,8 @@ def test_nothing_evicted_matches_plain_vllm_in_bfloat16(tiny_llama, engine_facto
         request = next(iter(evicting.scheduler.requests.values()), None)
         if not permuted and request is not None and request.num_computed_tokens >= 150:
             runner = evicting.runner
-            block_ids = torch.tensor(runner.requests[request.request_id].block_ids[0], dtype=torch.int64)
             cached = request.num_computed_tokens
+            block_ids = cached_pages(runner, request.request_id, cached)
             for layer in runner.evict_layers:
                 k_view, v_view = layer.k, layer.v
                 order = torch.stack([torch.randperm(cached, generator=generator) for _ in range(k_view.shape[1])])

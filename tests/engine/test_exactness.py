@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import chosen_logprobs, greedy, token_prompt
+from tests.engine.helpers import cached_pages, chosen_logprobs, greedy, token_prompt
 from vllm_evict import paged
 
 pytestmark = pytest.mark.engine
@@ -43,8 +43,8 @@ def test_random_per_head_permutation_of_cached_slots_keeps_logprobs(tiny_llama, 
         request = next(iter(engine.scheduler.requests.values()), None)  # vLLM suffixes request ids
         if not permuted and request is not None and request.num_computed_tokens >= 150:
             runner = engine.runner
-            block_ids = torch.tensor(runner.requests[request.request_id].block_ids[0], dtype=torch.int64)
-            cached = request.num_computed_tokens  # nothing evicted: physical == logical
+            cached = request.num_computed_tokens
+            block_ids = cached_pages(runner, request.request_id, cached)  # nothing evicted: physical == logical
             for layer in runner.evict_layers:
                 k_view, v_view = layer.k, layer.v
                 heads = k_view.shape[1]

@@ -121,7 +121,7 @@ def test_abort_returns_every_page(tiny_llama, engine_factory):
     while llm_engine.has_unfinished_requests():
         llm_engine.step()
     assert engine.free_pages() == engine.total_pages()
-    assert ids["drop"] not in engine.runner.input_batch.req_id_to_index
+    assert engine.runner.evict_view.row_of(ids["drop"]) is None
     assert_worker_rows_clean(engine, pending_finish=True)
 
 
@@ -145,7 +145,8 @@ def test_multiprocess_executor_matches_in_process(tiny_llama, engine_factory, tm
 
     script = tmp_path / "mp_run.py"
     script.write_text(MP_SCRIPT)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True,
                             env=env, timeout=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]

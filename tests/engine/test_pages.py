@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.engine.helpers import BLOCK, assert_worker_rows_clean, greedy, token_prompt
+from tests.engine.helpers import BLOCK, TEST_RUNNER, assert_worker_rows_clean, greedy, token_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -30,6 +30,10 @@ def run_tracking_pages(engine, prompt, params):
 @pytest.mark.parametrize("policy,schedule", [("keydiff", "chunked"), ("caote+h2o", "chunked"),
                                              ("snapkv", "oneshot")])
 def test_pages_stay_bounded_and_return_to_the_pool(tiny_llama, engine_factory, policy, schedule):
+    if TEST_RUNNER == "v2" and policy == "caote+h2o":
+        # The pages a runner holds do not depend on the method; the V2 pass keeps one chunked and one
+        # one-shot case (an every-step method runs on V2 in test_reference_agreement and test_mixed_batch).
+        pytest.skip("the V2 pass runs the chunked and the one-shot case")
     budget = 100
     engine = engine_factory(tiny_llama, {"policy": policy, "budget": budget, "schedule": schedule})
     prompt_len, gen_len = 700, 4 * budget  # generate four times the budget

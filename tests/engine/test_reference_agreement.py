@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import BLOCK, greedy
+from tests.engine.helpers import BLOCK, TEST_RUNNER, greedy
 from vllm_evict import EvictionConfig
 from vllm_evict.reference import run_reference
 
@@ -28,11 +28,20 @@ def engine_kept_positions(engine, prompt_ids, params):
     return output, [torch.sort(layer, dim=-1).values for layer in kept]
 
 
+# On Model Runner V2 (the suite's V2 pass) the policies run the same eviction step as on V1; what V2
+# changes is how the step's lengths, positions, slots and pages reach it. A chunked method, a one-shot
+# method with an observation window and a method whose state changes every step cover those paths;
+# tests/engine/test_mixed_batch.py runs more methods against the reference there, in one batch.
+V2_SUBSET = {("keydiff", "chunked"), ("h2o", "chunked"), ("snapkv", "oneshot")}
+
+
 @pytest.mark.parametrize("spec,schedule", [("keydiff", "chunked"), ("h2o", "chunked"), ("snapkv", "oneshot"),
                                            ("caote+snapkv", "chunked"), ("criticalkv+snapkv", "oneshot"),
                                            ("tova", "chunked"),
                                            ("ahakv", "oneshot"), ("nacl", "oneshot")])
 def test_engine_keeps_what_the_reference_keeps(smollm2_path, engine_factory, spec, schedule):
+    if TEST_RUNNER == "v2" and (spec, schedule) not in V2_SUBSET:
+        pytest.skip("the V2 pass runs one chunked, one one-shot and one every-step method (V2_SUBSET)")
     budget = 96
     eviction = {"policy": spec, "budget": budget, "schedule": schedule}
     engine = engine_factory(str(smollm2_path), eviction, max_num_batched_tokens=CHUNK, pages=0,

@@ -69,12 +69,6 @@ def test_unsupported_engine_options_are_refused(tiny_llama, kwargs, message):
         engine_config(tiny_llama, **kwargs)
 
 
-def test_v2_model_runner_is_refused(tiny_llama, monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="runs on vLLM's V1 model runner"):
-        engine_config(tiny_llama)
-
-
 @pytest.mark.parametrize("mapping,message", [
     ({"policy": "nope", "budget": 10}, "unknown eviction policy 'nope'"),
     ({"policy": "snapkv", "budget": 16}, "budget 16 must be larger than the 32 tokens snapkv always keeps"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import PAGE_BYTES_TINY, greedy, token_prompt
+from tests.engine.helpers import PAGE_BYTES_TINY, greedy, runner_kind, token_prompt
 from vllm_evict.engine.runner import HOOK_ATTR
 
 pytestmark = pytest.mark.engine
@@ -53,16 +53,28 @@ def test_profiling_kv_cache_does_not_install_hooks_twice(tiny_llama, engine_fact
     # vLLM's own sequence when it profiles CUDA-graph memory (gpu_worker -> profile_cudagraph_memory):
     # a minimal cache with is_profiling=True, cleaned up, then the real one.
     compilation = runner.compilation_config
-    saved = compilation.max_cudagraph_capture_size
+    saved = compilation.max_cudagraph_capture_size, runner.cache_config.num_gpu_blocks
     compilation.max_cudagraph_capture_size = 8  # set on a GPU with CUDA graphs; None in eager mode
+    if runner_kind(runner) == "v1":
+        cleanup, init_minimal = runner._cleanup_profiling_kv_cache, runner._init_minimal_kv_cache_for_profiling
+    else:  # Model Runner V2: the same sequence, in vllm/v1/worker/gpu/cudagraph_utils.py
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.worker.gpu import cudagraph_utils
+
+        def cleanup() -> None:
+            cudagraph_utils._teardown_profiling_state(runner)
+
+        def init_minimal() -> None:
+            with set_current_vllm_config(runner.vllm_config):
+                cudagraph_utils._init_minimal_kv_cache_for_profiling(runner)
     try:
-        runner._cleanup_profiling_kv_cache()
-        runner._init_minimal_kv_cache_for_profiling()
+        cleanup()
+        init_minimal()
         assert runner.evict_buffers.geometry.num_pages == config.num_blocks, "hooked the profiling cache"
-        runner._cleanup_profiling_kv_cache()
+        cleanup()
         runner.initialize_kv_cache(config)
     finally:
-        compilation.max_cudagraph_capture_size = saved
+        compilation.max_cudagraph_capture_size, runner.cache_config.num_gpu_blocks = saved
     for forward in hooked_forwards(engine):
         original = getattr(forward, HOOK_ATTR)
         assert not hasattr(original, HOOK_ATTR), "a hook wraps another hook"

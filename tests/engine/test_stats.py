@@ -172,7 +172,8 @@ MP_SCRIPT = textwrap.dedent("""
 def test_offline_multiprocess_engine_reports_stats_and_metrics(tiny_llama: str, tmp_path: Any) -> None:
     script = tmp_path / "mp_stats.py"
     script.write_text(MP_SCRIPT)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True, env=env,
                             timeout=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]

@@ -25,7 +25,7 @@ def test_user_worker_class_runs_with_the_eviction_runner(tiny_llama, engine_fact
         llm_engine.step()
         for request_id in engine.scheduler.requests:
             cached.append(engine.scheduler.num_cached_tokens(request_id))
-            row = engine.runner.input_batch.req_id_to_index.get(request_id)
+            row = engine.runner.evict_view.row_of(request_id)
             worker_evicted.append(int(engine.runner.evict_rows.evicted[row]) if row is not None else 0)
     # The worker compacted what the scheduler planned: both sides count the same evicted tokens.
     assert max(worker_evicted) > 0

@@ -23,6 +23,7 @@ from vllm_evict.local_server import PLAIN_CHAT_TEMPLATE, LocalServer, MetricKey 
 from vllm_evict.testing import build_tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+TEST_RUNNER = os.environ.get("VLLM_EVICT_TEST_RUNNER", "v1")
 EVICTION = {"policy": "snapkv", "budget": 64}
 CHUNK, PAGE = 64, 32  # --max-num-batched-tokens, --block-size
 MODEL = "tiny"
@@ -43,6 +44,9 @@ def evict_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServ
     except RuntimeError as err:
         pytest.fail(str(err))
     try:
+        # The engine core runs the model runner the suite was started for (tests/conftest.py).
+        runner_log = "Using V2 Model Runner" in log.read_text(errors="replace")
+        assert runner_log == (TEST_RUNNER == "v2"), f"the server runs the wrong model runner; see {log}"
         yield server
     finally:
         server.stop()

@@ -63,9 +63,9 @@ def kept_by_global_head(worker: Any) -> RankKept:
 
     runner = _runner(worker)
     kept: dict[str, list[Tensor]] = dict(runner.evict_kept_record or {})
-    batch, rows = runner.input_batch, runner.evict_rows
-    for row, request_id in enumerate(batch.req_ids):
-        if request_id not in kept and request_id in runner.requests and rows.policy[row] >= 0:
+    rows = runner.evict_rows
+    for request_id, row in runner.evict_view.held_rows().items():
+        if request_id not in kept and rows.policy[row] >= 0:
             kept[request_id] = runner.kept_positions(request_id)
     tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     total = runner.model_config.get_total_num_kv_heads()

@@ -10,6 +10,10 @@ same moves: hooks on ``InputBatch.add_request`` / ``remove_request`` and on the 
 leaves the batch without finishing is parked and gets its numbers back when it returns. Nothing is
 rebuilt from Python lists per step.
 
+That is the V1 runner. Model Runner V2 keeps each request in a fixed slot of its ``RequestState`` from
+arrival to finish, so there the rows are those slots, filled and emptied by engine/runner_v2.py's
+hooks on ``add_requests`` / ``_remove_request``; ``install_row_hooks`` and parking are V1's only.
+
 Each request also owns a slot of the query ring (engine/buffers.py) from its first step to its end
 (finish or preemption), so its recent queries never move, whatever happens to its row.
 

@@ -1,12 +1,15 @@
-"""Worker side: a mixin over vLLM's V1 model runner (GPU runner and its CPU subclass).
+"""Worker side: the eviction runner, a mixin over vLLM's model runner (V1 or Model Runner V2, GPU or
+its CPU subclass). This module holds what both runners share; engine/runner_v1.py and
+engine/runner_v2.py hook each runner's own step, through a ``RunnerView`` (engine/runner_view.py).
 
 Per step:
-1. ``_update_states``: the pages the scheduler freed after last step's eviction leave the block table,
-   and each compacted row's evicted count grows (engine/rows.py keeps such per-row numbers in step
-   with vLLM's row moves);
-2. ``_prepare_inputs``: RoPE positions stay logical; ``seq_lens`` and ``slot_mapping`` become physical,
-   so attention reads exactly the compacted cache and new tokens land after it; the step's
-   ``StepPlan`` is built once (engine/step_builder.py) and the positions of the new tokens are recorded;
+1. before vLLM updates its request states: the pages the scheduler freed after last step's eviction
+   leave the block table, and each compacted row's evicted count grows (engine/rows.py keeps such
+   per-row numbers in step with vLLM's row moves); elastic compressions run;
+2. once vLLM has prepared the step's inputs: RoPE positions stay logical; the sequence lengths attention
+   sees and the slot mapping become physical, so attention reads exactly the compacted cache and new
+   tokens land after it; the step's ``StepPlan`` is built once (engine/step_builder.py) and the
+   positions of the new tokens are recorded;
 3. after each attention layer, the hook runs that layer's eviction step (``vllm_evict.evict_step``):
    record the new tokens' state and queries, then, for the rows the scheduler marked, score, select
    and compact in place, batched over rows.
@@ -30,7 +33,8 @@ from vllm_evict.engine.buffers import (
 from vllm_evict.engine.layout import probe_kv_layout
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.config import EvictionConfig
-from vllm_evict.engine.rows import PolicyTable, RowTable, install_row_hooks
+from vllm_evict.engine.rows import PolicyTable, RowTable
+from vllm_evict.engine.runner_view import RunnerView
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
 from vllm_evict.engine.step_timer import StepTimer
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
@@ -60,10 +64,22 @@ def _is_profiling(method: Callable[..., Any], args: tuple, kwargs: dict) -> bool
 
 
 class EvictRunnerMixin:
-    """Put in front of vLLM's GPUModelRunner (or CPUModelRunner) by class swap, see worker.py."""
+    """What eviction does the same way in both of vLLM's model runners. Not used alone: worker.py puts
+    ``EvictV1RunnerMixin`` (engine/runner_v1.py) or ``EvictV2RunnerMixin`` (engine/runner_v2.py) in
+    front of the runner by class swap; they hook the runner's own steps and provide its ``RunnerView``."""
+
+    evict_view: RunnerView
+
+    def _make_view(self) -> RunnerView:
+        raise NotImplementedError
+
+    def _track_rows(self, rows: RowTable) -> None:
+        """Make vLLM's row additions, removals and moves reach ``rows`` (engine/rows.py)."""
+        raise NotImplementedError
 
     # ---- set-up ------------------------------------------------------------------------------
     def evict_init(self) -> None:
+        self.evict_view = self._make_view()
         self.evict_server = server_eviction_mapping(self.vllm_config)  # type: ignore[attr-defined]
         self.evict_policies = PolicyTable()
         self.evict_rows: RowTable | None = None
@@ -110,14 +126,14 @@ class EvictRunnerMixin:
                 f"the KV cache block size ({manager_page}); start the server with --block-size {k0.shape[2]}")
         geometry = Geometry(layers=len(layers), num_pages=k0.shape[0], kv_heads=k0.shape[1], page_size=k0.shape[2],
                             query_heads=first.impl.num_heads, head_size=first.impl.head_size,
-                            max_rows=self.input_batch.max_num_reqs,  # type: ignore[attr-defined]
+                            max_rows=self.evict_view.max_rows,
                             dtype=first.kv_cache.dtype, device=first.kv_cache.device)
         self.evict_buffers = buffers = EvictionBuffers(geometry, self.evict_buffer_layout())
         logger.info("vllm_evict: eviction's buffers hold %.1f MiB (states %s, query ring %d queries)",
                     buffers.nbytes / 2**20, ", ".join(buffers.states) or "none", buffers.window)
         self.evict_rows = rows = RowTable(geometry.max_rows, self.evict_server, self.evict_policies,
                                           on_new_policy=self._on_new_policy, on_new_slot=buffers.reset_slot)
-        install_row_hooks(self.input_batch, rows)  # type: ignore[attr-defined]
+        self._track_rows(rows)
         self.evict_builder = StepBuilder(rows, buffers, geometry.device)
         shard = self._kv_shard(geometry.kv_heads)
         self.evict_layers, self.evict_layer_names = [], []
@@ -223,76 +239,56 @@ class EvictRunnerMixin:
                     100 * (available - share) / max(available, 1), ring / 2**20, ours)
         return share
 
-    # ---- step bookkeeping ----------------------------------------------------------------------
-    def _update_states(self, scheduler_output: Any) -> Any:
-        rows = self.evict_rows
-        if rows is None:
-            return super()._update_states(scheduler_output)  # type: ignore[misc]
+    # ---- step bookkeeping (shared; each runner's mixin calls these from its own hooks) ------------
+    def _begin_step(self, scheduler_output: Any) -> EvictionPlan | None:
+        """Before vLLM updates its request states: last step's compactions reach the block table, and
+        elastic compressions run before anything is written into the pages they give back."""
         self._apply_compactions(scheduler_output)
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         if plan is not None and plan.compress:
             with self.evict_timer:
                 compress_before_forward(self, plan)
-        for request_id in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
-            rows.forget(request_id)  # before vLLM adds this step's new requests: their ring slots are free
-        try:
-            return super()._update_states(scheduler_output)  # type: ignore[misc]
-        finally:
-            rows.forgotten.clear()
+        return plan
 
     def _apply_compactions(self, scheduler_output: Any) -> None:
         """Last step compacted these requests and the scheduler has freed their tail pages: drop those
         pages from the block table (new pages are appended after the kept ones) and count the tokens."""
-        rows = self.evict_rows
-        batch = self.input_batch  # type: ignore[attr-defined]
-        table = batch.block_table[0]
+        rows, view = self.evict_rows, self.evict_view
+        page_size = self.evict_buffers.geometry.page_size
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         for compaction in self.evict_compactions:
-            row = batch.req_id_to_index.get(compaction.request_id)
+            row = view.row_of(compaction.request_id)
             if row is None:
                 continue
             rows.evicted[row] = compaction.logical - compaction.keep
             rows.cached[row] = compaction.keep
-            request = self.requests.get(compaction.request_id)  # type: ignore[attr-defined]
-            if request is None or compaction.request_id in gone:
-                continue
-            kept_pages = -(-compaction.keep // table.block_size)
-            del request.block_ids[0][kept_pages:]
-            held = int(table.num_blocks_per_row[row])
-            table.block_table.np[row, kept_pages:held] = 0
-            table.num_blocks_per_row[row] = min(held, kept_pages)
+            if compaction.request_id not in gone:
+                view.truncate_pages(compaction.request_id, row, -(-compaction.keep // page_size))
         self.evict_compactions = []
         if self.evict_kept_record is not None:
             for request_id in scheduler_output.finished_req_ids:
-                if request_id in batch.req_id_to_index and request_id in self.requests:  # type: ignore[attr-defined]
+                if view.row_of(request_id) is not None:
                     self.evict_kept_record[request_id] = self.kept_positions(request_id)
 
-    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
-        plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
+    def _build_step(self, plan: EvictionPlan | None, num_scheduled_tokens: np.ndarray) -> None:
+        """Once vLLM has prepared this step's inputs: physical lengths, and the plan every layer runs."""
         if plan is None or self.evict_builder is None:
             self.evict_step = None
-            return result
-        step = self.evict_builder.build(self, plan, num_scheduled_tokens)
+            return
+        step = self.evict_builder.build(self.evict_view, plan, num_scheduled_tokens)
         self.evict_compactions = step.compactions if step is not None else []
         self.evict_step = step
-        return result
-
-    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            # A forward outside a scheduled step (data-parallel dummy runs, profiling) must never evict.
-            self.evict_step = None
 
     def kept_positions(self, request_id: str) -> list[Tensor]:
         """Logical positions cached for a request, per layer [H_kv, n] in slot order (tests, debugging)."""
-        row = self.input_batch.req_id_to_index[request_id]  # type: ignore[attr-defined]
+        view = self.evict_view
+        row = view.row_of(request_id)
+        if row is None:
+            raise KeyError(f"the worker holds no row for request {request_id}")
         length = int(self.evict_rows.cached[row])
-        blocks = torch.tensor(self.requests[request_id].block_ids[0], dtype=torch.int64,  # type: ignore[attr-defined]
-                              device=self.evict_buffers.positions.device)
-        return [gather_tokens(cache.positions, blocks.view(1, -1), length)[0].long().clone()
-                for cache in self.evict_layers]
+        pages = max(1, -(-length // self.evict_buffers.geometry.page_size))
+        table = view.page_table([request_id], pages)
+        return [gather_tokens(cache.positions, table, length)[0].long().clone() for cache in self.evict_layers]
 
     # ---- per layer ----------------------------------------------------------------------------
     def _make_hook(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:

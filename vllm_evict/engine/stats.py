@@ -73,7 +73,13 @@ class WorkerReport:
 
 
 def attach_worker_report(output: Any, report: WorkerReport) -> Any:
-    """Set the report on a ModelRunnerOutput (returned as is when it is None or not a step output)."""
+    """Set the report on a ModelRunnerOutput (returned as is when it is None or not a step output).
+    Model Runner V2 returns the step's output wrapped in an ``AsyncOutput``, which hands its
+    ``model_runner_output`` on when the engine asks for it: the report goes there."""
+    inner = getattr(output, "model_runner_output", None)
+    if inner is not None and hasattr(inner, "req_id_to_index"):
+        setattr(inner, WORKER_REPORT_ATTR, report)
+        return output
     if output is None or not hasattr(output, "req_id_to_index"):
         return output
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT

@@ -17,6 +17,7 @@ import torch
 from vllm_evict.engine.buffers import EvictionBuffers
 from vllm_evict.engine.plan import EvictionPlan
 from vllm_evict.engine.rows import RowTable
+from vllm_evict.engine.runner_view import RunnerView
 from vllm_evict.evict_step import (
     Group, Record, StepPlan, WindowStep, build_group, evict_layer, record_step, ring_entries, state_initializers,
 )
@@ -84,42 +85,36 @@ class StepBuilder:
         self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
 
     # ---- physical lengths ------------------------------------------------------------------------
-    def make_lengths_physical(self, runner: Any, num_reqs: int, num_tokens: int) -> None:
+    def make_lengths_physical(self, view: RunnerView, num_reqs: int, num_tokens: int) -> None:
         """Attention reads each row's compacted cache and writes new tokens right after it: subtract the
-        row's evicted count from ``seq_lens``, its upper bound and the slot positions (RoPE positions
-        stay logical)."""
-        evicted = self.rows.evicted[:num_reqs]
+        row's evicted count from the lengths attention sees and from the slot positions (RoPE positions
+        stay logical; the runner's view knows where its lengths are)."""
+        evicted = self.rows.evicted[view.rows]
         if not evicted.any():
             return
-        host = torch.from_numpy(evicted)
         shift = self.evicted_device[:num_reqs]
-        shift.copy_(host, non_blocking=True)
-        runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
-        runner.optimistic_seq_lens_cpu[:num_reqs] -= host.to(runner.optimistic_seq_lens_cpu.dtype)
-        token_rows = runner.req_indices.gpu[:num_tokens]
-        physical = runner.positions[:num_tokens] - shift[token_rows].to(runner.positions.dtype)
-        runner.input_batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
-                                                            physical)
+        shift.copy_(torch.from_numpy(evicted), non_blocking=True)
+        view.make_lengths_physical(evicted, shift, num_tokens)
 
     # ---- the step plan -------------------------------------------------------------------------
-    def build(self, runner: Any, plan: EvictionPlan, num_scheduled: np.ndarray) -> BuiltStep | None:
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
+    def build(self, view: RunnerView, plan: EvictionPlan, num_scheduled: np.ndarray) -> BuiltStep | None:
+        num_reqs = view.num_reqs
+        table_rows = view.rows
         num_tokens = int(num_scheduled[:num_reqs].sum())
-        self.make_lengths_physical(runner, num_reqs, num_tokens)
+        self.make_lengths_physical(view, num_reqs, num_tokens)
 
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        computed = view.computed
         scheduled = num_scheduled[:num_reqs].astype(np.int64)
-        evicted = self.rows.evicted[:num_reqs]
+        evicted = self.rows.evicted[table_rows]
         cached_after = computed - evicted + scheduled
-        self.rows.cached[:num_reqs] = cached_after
-        policy_index = self.rows.policy[:num_reqs]
+        self.rows.cached[table_rows] = cached_after
+        policy_index = self.rows.policy[table_rows]
         policies = self.rows.policies.policies
 
         keep = np.full(num_reqs, -1, dtype=np.int64)
         compactions: list[Compaction] = []
         for request_id, kept in plan.keep.items():  # only the requests that evict now
-            row = batch.req_id_to_index[request_id]
+            row = view.batch_row(request_id)
             expected = plan.cached.get(request_id)
             if expected is not None and expected != cached_after[row]:
                 raise RuntimeError(
@@ -132,10 +127,10 @@ class StepBuilder:
         if not present:  # no request in the batch has eviction on: nothing to record, nothing to time
             return None
         initializers, zero_states = state_initializers([policies[i] for i in present])
-        prompt = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
-        windows = self._windows(num_reqs, present, policy_index, computed, scheduled, cached_after, prompt, keep)
+        prompt = view.prompt
+        windows = self._windows(table_rows, present, policy_index, computed, scheduled, cached_after, prompt, keep)
 
-        record = self._record(runner, num_reqs, num_tokens, computed, scheduled, recording=windows.ring)
+        record = self._record(view, num_reqs, num_tokens, computed, scheduled, recording=windows.ring)
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
                         zero_states=zero_states)
         record_step(self.buffers.positions, self.buffers.states, step)
@@ -148,21 +143,22 @@ class StepBuilder:
             key = (policy_index * 3 + phase) * 2 + (keep >= 0)
             for k in np.unique(key[acting]):
                 rows = np.nonzero(acting & (key == k))[0]
-                step.groups.append(self._group(runner, rows, policies[int(policy_index[rows[0]])],
+                step.groups.append(self._group(view, rows, policies[int(policy_index[rows[0]])],
                                                PHASES[int(phase[rows[0]])], keep, computed, scheduled,
                                                cached_after, windows))
-                rows_by_id.update({batch.req_ids[r]: int(r) for r in rows})
+                rows_by_id.update({view.req_ids[r]: int(r) for r in rows})
         return BuiltStep(plan=step, initializers=initializers, num_tokens=num_tokens, compactions=compactions,
                          rows=rows_by_id)
 
-    def _windows(self, num_reqs: int, present: list[int], policy_index: np.ndarray, computed: np.ndarray,
+    def _windows(self, table_rows: np.ndarray, present: list[int], policy_index: np.ndarray, computed: np.ndarray,
                  scheduled: np.ndarray, cached_after: np.ndarray, prompt: np.ndarray,
                  keep: np.ndarray) -> "RowWindows":
-        """Each row's observation window in this step (``schedule.window_end``): the queries that join it,
-        its size after them, its logit gain, whether the step reads it; and the elastic rows, whose
-        queries go to the ring instead. Updates the rows' window counts."""
+        """Each batch row's observation window in this step (``schedule.window_end``): the queries that join
+        it, its size after them, its logit gain, whether the step reads it; and the elastic rows, whose
+        queries go to the ring instead. Updates the rows' window counts (``table_rows``: where they are kept)."""
         table = self.rows.policies
-        count = self.rows.window[:num_reqs]
+        num_reqs = len(table_rows)
+        count = self.rows.window[table_rows]
         recorded = np.zeros(num_reqs, dtype=np.int64)
         reset = np.zeros(num_reqs, dtype=bool)
         ring = np.zeros(num_reqs, dtype=bool)
@@ -190,37 +186,37 @@ class StepBuilder:
                 gain[rows] = row_gain
             reset[rows] = end.now
         after = count + recorded
-        count[:] = np.where(reset, 0, after)
+        self.rows.window[table_rows] = np.where(reset, 0, after)
         return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring)
 
-    def _record(self, runner: Any, num_reqs: int, num_tokens: int, computed: np.ndarray,
+    def _record(self, view: RunnerView, num_reqs: int, num_tokens: int, computed: np.ndarray,
                 scheduled: np.ndarray, recording: np.ndarray) -> Record:
-        slots = runner.input_batch.block_table[0].slot_mapping.gpu[:num_tokens]
+        slots = view.slot_mapping(num_tokens)
         ring_index = ring_tokens = None
         if self.buffers.window and recording.any():
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
-            entries, tokens = ring_entries(token_rows, self.rows.slot[:num_reqs], runner.query_pos.np[:num_tokens],
+            entries, tokens = ring_entries(token_rows, self.rows.slot[view.rows], view.query_pos(num_tokens),
                                            scheduled, computed, self.buffers.window, recording)
             ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
             if tokens is not None:
                 ring_tokens = torch.from_numpy(tokens).to(self.device, non_blocking=True)
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
-                      positions=runner.positions[:num_tokens].to(torch.int32), ring_index=ring_index,
+                      positions=view.positions(num_tokens).to(torch.int32), ring_index=ring_index,
                       ring_tokens=ring_tokens)
 
-    def _group(self, runner: Any, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
+    def _group(self, view: RunnerView, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
         lengths = cached_after[rows]
         pages = -(-int(lengths.max()) // self.page_size)
-        index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
-        table = runner.input_batch.block_table[0].block_table.gpu[:, :pages].index_select(0, index)
-        seed = self.rows.policies.configs[int(self.rows.policy[rows[0]])].seed
+        table_rows = view.rows[rows]  # ``rows`` are batch rows
+        table = view.block_table(table_rows, pages)
+        seed = self.rows.policies.configs[int(self.rows.policy[table_rows[0]])].seed
         evicting = bool(keep[rows[0]] >= 0)
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
                            scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
                            keep=keep[rows] if evicting else None,
-                           ring_rows=self.rows.slot[rows] if windows.ring[rows[0]] else None,
-                           token_starts=runner.query_start_loc.np[rows], window=windows.step(rows, policy))
+                           ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
+                           token_starts=view.query_start[rows], window=windows.step(rows, policy))
 
 
 # ---- elastic mode: compression before the forward ------------------------------------------------
@@ -231,32 +227,29 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     A victim may be in the batch or parked out of it (engine/rows.py); it is scored on its cache as the
     last step left it, with the latest queries of its window, and adds no token."""
     rows, layers = runner.evict_rows, runner.evict_layers
-    batch = runner.input_batch
+    view: RunnerView = runner.evict_view
     page = runner.evict_buffers.geometry.page_size
     victims = []
     for request_id, keep in plan.compress.items():
-        row = batch.req_id_to_index.get(request_id)
+        row = view.row_of(request_id)
         evicted, cached, policy, slot, _ = rows.parked[request_id] if row is None else (
             int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), int(rows.slot[row]), 0)
         if cached != plan.compress_cached[request_id]:
             raise RuntimeError(f"vllm_evict: worker and scheduler disagree on request {request_id}: the worker "
                                f"has {cached} tokens cached, the scheduler compresses from "
                                f"{plan.compress_cached[request_id]}")
-        request = runner.requests[request_id]
         logical = cached + evicted
-        phase = 2 if logical >= len(request.prompt_token_ids or ()) else 0
-        victims.append((request_id, row, evicted, cached, policy, slot, keep, phase, list(request.block_ids[0])))
+        phase = 2 if logical >= view.prompt_len(request_id) else 0
+        victims.append((request_id, row, evicted, cached, policy, slot, keep, phase))
     groups = []
     for key in sorted({(v[4], v[7]) for v in victims}):
         members = [v for v in victims if (v[4], v[7]) == key]
         width = max(-(-v[3] // page) for v in members)
-        table = np.zeros((len(members), width), dtype=np.int64)
-        for i, v in enumerate(members):
-            table[i, :len(v[8][:width])] = v[8][:width]
+        table = view.page_table([v[0] for v in members], width)
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
         policy = rows.policies.policies[key[0]]
         groups.append(build_group(
-            policy, PHASES[key[1]], torch.from_numpy(table).to(runner.evict_buffers.geometry.device), page,
+            policy, PHASES[key[1]], table, page,
             lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
             seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
             ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
@@ -269,16 +262,11 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     no_queries = torch.zeros(0, geometry.query_heads, geometry.head_size, dtype=geometry.dtype, device=device)
     for cache in layers:
         evict_layer(cache, step, no_queries)
-    table = batch.block_table[0]
-    for request_id, row, evicted, cached, policy, slot, keep, _, _ in victims:
+    for request_id, row, evicted, cached, policy, slot, keep, _ in victims:
         pages = plan.compress_pages[request_id]
-        runner.requests[request_id].block_ids[0][:] = pages
+        view.set_pages(request_id, row, pages)
         values = (evicted + cached - keep, keep, policy, slot, 0)  # elastic rows keep no accumulated window
         if row is None:
             rows.parked[request_id] = values
             continue
-        held = int(table.num_blocks_per_row[row])
-        table.block_table.np[row, :len(pages)] = pages
-        table.block_table.np[row, len(pages):max(held, len(pages))] = 0
-        table.num_blocks_per_row[row] = len(pages)
         rows.evicted[row], rows.cached[row] = values[0], values[1]

