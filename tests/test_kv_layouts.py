@@ -138,6 +138,7 @@ def test_policies_keep_the_same_tokens_from_a_packed_cache(spec, options):
         paged.scatter_tokens(positions, block_table, (n + torch.arange(n)).expand(1, heads, n))
         keys, values = paged.gather_tokens(k_view, block_table, n)[0], paged.gather_tokens(v_view, block_table, n)[0]
         state = {name: torch.zeros(5, heads, bs) for name in policy.state_names}
+        state |= {name: torch.zeros(5, heads, bs, group) for name in policy.head_state_names}
         for name, value in policy.init_state(keys, values, o_proj).items():
             paged.scatter_tokens(state[name], block_table, value.unsqueeze(0))
         ring_positions = torch.cat([2 * n - w + torch.arange(w), torch.full((w,), -1)]).view(2, w)
