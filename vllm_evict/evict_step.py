@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_slots, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
 from vllm_evict.policies.base import Deferred, EvictionInputs, Phase, Policy
+from vllm_evict.staging import to_device as pinned_to_device
 
 POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
 
@@ -156,26 +158,33 @@ def step_token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarra
 
 def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
                 computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
-                ring_rows: np.ndarray | None, token_starts: np.ndarray | None) -> Group:
+                ring_rows: np.ndarray | None, token_starts: np.ndarray | None,
+                to_device: Callable[..., list[Tensor]] | None = None) -> Group:
     """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
 
     block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
     tokens before it; scheduled: this step's tokens; keep: tokens kept per head, or None (no eviction);
     ring_rows: each row's ring row (None: no ring); token_starts: each row's first token in the packed
-    token axis (needed by policies that read this step's queries)."""
+    token axis (needed by policies that read this step's queries); to_device: the engine's staging
+    (``vllm_evict.staging.Staging.to_device``; None: pinned blocks of PyTorch's host allocator)."""
     device = block_table.device
+    if to_device is None:
+        to_device = partial(pinned_to_device, device=device)
     width = int(lengths.max())
     rows = len(lengths)
-    host = np.stack([lengths, computed + scheduled, scheduled, seed,
-                     keep if keep is not None else np.zeros(rows, dtype=np.int64),
-                     ring_rows if ring_rows is not None else np.zeros(rows, dtype=np.int64)]).astype(np.int64)
-    packed = torch.from_numpy(host).to(device, non_blocking=True)
-    lengths_t, seq_len, num_new, seed_t, budget, ring_t = packed.unbind(0)
-    step_tokens = step_positions = None
+    # One [6, R'] block, R' even: every row of it starts 16 bytes aligned, whatever R is, so the kernels
+    # reading these per-row numbers see the same pointer alignment on every step (no Triton recompile).
+    host = np.zeros((6, rows + rows % 2), dtype=np.int64)
+    for i, column in enumerate((lengths, computed + scheduled, scheduled, seed, keep, ring_rows)):
+        if column is not None:
+            host[i, :rows] = column
+    arrays = [host]
     if policy.query_window is None and token_starts is not None:
         index, positions = step_token_index(token_starts, scheduled, computed)
-        both = torch.from_numpy(np.stack([index, positions]).astype(np.int64)).to(device, non_blocking=True)
-        step_tokens, step_positions = both[0], both[1]
+        arrays += [index.astype(np.int64), positions.astype(np.int64)]
+    copied = to_device(*arrays)
+    lengths_t, seq_len, num_new, seed_t, budget, ring_t = copied[0][:, :rows].unbind(0)
+    step_tokens, step_positions = (copied[1], copied[2]) if len(copied) == 3 else (None, None)
     pages, offsets = slot_addresses(block_table, width, page_size)
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,

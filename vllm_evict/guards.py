@@ -197,6 +197,28 @@ def check_model_supported(vllm_config: Any) -> None:
     check_data_parallel_supported(vllm_config)
 
 
+def o_proj_unavailable(vllm_config: Any) -> str | None:
+    """Why CriticalKV cannot use this model's output projection, or None when it can.
+
+    CriticalKV projects values through each layer's ``o_proj`` weight. A quantized checkpoint stores it
+    in the quantization's own layout and scales (fp8 transposed with per-tensor or block scales, packed
+    integers, ...), which cannot be read as a matrix without that method's dequantisation; reading the raw
+    tensor would select the wrong tokens silently, so such models refuse CriticalKV instead."""
+    quantization = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
+    if quantization:
+        return (f"criticalkv reads each layer's output projection weights in full precision, but this model's "
+                f"weights are quantized ({quantization}); choose a method without criticalkv, e.g. snapkv")
+    return None
+
+
+def check_policy_supported(vllm_config: Any, config: Any) -> None:
+    """An ``EvictionConfig`` (or None) this model can run, else ValueError with the reason."""
+    if config is not None and config.build_policy().needs_o_proj:
+        reason = o_proj_unavailable(vllm_config)
+        if reason:
+            raise ValueError(reason)
+
+
 def check_data_parallel_supported(vllm_config: Any) -> None:
     """Data parallelism runs one engine core per rank, each with its own EvictScheduler, workers and plan;
     for dense models vLLM runs those cores independently, which eviction needs. MoE ranks are kept in

@@ -27,6 +27,7 @@ import json
 from typing import Any, AsyncIterator
 
 from vllm_evict.config import REQUEST_KEYS, resolve_request_config
+from vllm_evict.guards import check_policy_supported
 from vllm_evict.stats import KEY
 
 _MARK = "_vllm_evict_openai_hook"
@@ -50,7 +51,7 @@ def settings_error(vllm_config: Any, xargs: Any) -> str | None:
         return None
     server = (getattr(vllm_config, "additional_config", None) or {}).get("kv_eviction")
     try:
-        resolve_request_config(server, xargs)
+        check_policy_supported(vllm_config, resolve_request_config(server, xargs))
     except ValueError as err:
         return str(err)
     return None

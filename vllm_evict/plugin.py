@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_evict.config import REQUEST_KEYS, EvictionConfig, resolve_request_config
 from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, check_engine_supported,
-                               check_model_supported, configure_engine_args)
+                               check_model_supported, check_policy_supported, configure_engine_args)
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
@@ -118,6 +118,7 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         vllm_config = original(self, *args, **kwargs)
         check_engine_supported(vllm_config)
         check_model_supported(vllm_config)
+        check_policy_supported(vllm_config, config)
         logger.info("vllm_evict: KV eviction on: %s", config)
         return vllm_config
 
@@ -179,7 +180,7 @@ def _wrap_request_validation() -> None:
         if extra and any(key in extra for key in REQUEST_KEYS):
             server = (self.vllm_config.additional_config or {}).get("kv_eviction")
             try:
-                resolve_request_config(server, extra)
+                check_policy_supported(self.vllm_config, resolve_request_config(server, extra))
             except ValueError as err:
                 _count_rejection("invalid_settings")
                 raise VLLMValidationError(str(err)) from None

@@ -22,6 +22,7 @@ from vllm_evict.evict_step import (
 )
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import NEVER_RECORD, queries_needed_above
+from vllm_evict.staging import Staging
 
 PHASES = (Phase.PREFILL, Phase.PROMPT_END, Phase.DECODE)
 
@@ -63,6 +64,7 @@ class StepBuilder:
         self.page_size = buffers.geometry.page_size
         # Persistent per-row buffer of evicted counts on the device, refilled (not reallocated) per step.
         self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
+        self.staging = Staging(device)  # pinned host memory for the step's host-to-device copies
         self._record_above: tuple[tuple[int, int], np.ndarray] | None = None  # see ``record_above``
 
     def record_above(self) -> np.ndarray:
@@ -87,7 +89,7 @@ class StepBuilder:
             return
         host = torch.from_numpy(evicted)
         shift = self.evicted_device[:num_reqs]
-        shift.copy_(host, non_blocking=True)
+        self.staging.copy_into(shift, evicted)
         runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
         runner.optimistic_seq_lens_cpu[:num_reqs] -= host.to(runner.optimistic_seq_lens_cpu.dtype)
         token_rows = runner.req_indices.gpu[:num_tokens]
@@ -100,6 +102,7 @@ class StepBuilder:
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         num_tokens = int(num_scheduled[:num_reqs].sum())
+        self.staging.begin_step()
         self.make_lengths_physical(runner, num_reqs, num_tokens)
 
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
@@ -164,9 +167,10 @@ class StepBuilder:
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
             entries, tokens = ring_entries(token_rows, self.rows.slot[:num_reqs], runner.query_pos.np[:num_tokens],
                                            scheduled, computed, self.buffers.window, recording)
-            ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
-            if tokens is not None:
-                ring_tokens = torch.from_numpy(tokens).to(self.device, non_blocking=True)
+            if tokens is None:
+                (ring_index,) = self.staging.to_device(entries)
+            else:
+                ring_index, ring_tokens = self.staging.to_device(entries, tokens)
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=runner.positions[:num_tokens].to(torch.int32), ring_index=ring_index,
                       ring_tokens=ring_tokens)
@@ -175,7 +179,7 @@ class StepBuilder:
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray) -> Group:
         lengths = cached_after[rows]
         pages = -(-int(lengths.max()) // self.page_size)
-        index = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
+        (index,) = self.staging.to_device(rows)
         table = runner.input_batch.block_table[0].block_table.gpu[:, :pages].index_select(0, index)
         seed = self.rows.policies.configs[int(self.rows.policy[rows[0]])].seed
         evicting = bool(keep[rows[0]] >= 0)
@@ -183,7 +187,7 @@ class StepBuilder:
                            scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[rows] if self.buffers.ring is not None else None,
-                           token_starts=runner.query_start_loc.np[rows])
+                           token_starts=runner.query_start_loc.np[rows], to_device=self.staging.to_device)
 
 
 # ---- elastic mode: compression before the forward ------------------------------------------------
@@ -195,6 +199,8 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     last step left it, with the latest queries of its window, and adds no token."""
     rows, layers = runner.evict_rows, runner.evict_layers
     batch = runner.input_batch
+    staging = runner.evict_builder.staging
+    staging.begin_step()
     page = runner.evict_buffers.geometry.page_size
     victims = []
     for request_id, keep in plan.compress.items():
@@ -219,11 +225,11 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
         policy = rows.policies.policies[key[0]]
         groups.append(build_group(
-            policy, PHASES[key[1]], torch.from_numpy(table).to(runner.evict_buffers.geometry.device), page,
+            policy, PHASES[key[1]], staging.to_device(table)[0], page,
             lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
             seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
             ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
-            token_starts=np.zeros(len(members), dtype=np.int64)))
+            token_starts=np.zeros(len(members), dtype=np.int64), to_device=staging.to_device))
     device = runner.evict_buffers.geometry.device
     nothing = torch.zeros(0, dtype=torch.int64, device=device)
     step = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32), ring_index=None),

@@ -72,10 +72,16 @@ class SnapKV(Policy):
         """SnapKV's own statistic (criticalkv.md §2.5 steps 3-5, as the reference implementations): per
         query head, the window's column sums with the window's own columns dropped (zeroing them before
         zero-padded pooling is the same thing), pooled, then the GQA group mean: [R, H_kv, N]. So the
-        tokens just before the window get no share of the window's attention to itself. Pooling each
-        query head before the mean matters for max pooling only."""
-        window = dense.recent_mask(inp.positions, inp.valid, self.window).unsqueeze(2)  # [R, H, 1, N]
-        per_head = inp.ops.window_mass(inp, per_query_head=True).masked_fill(window, 0.0)
+        tokens just before the window get no share of the window's attention to itself.
+
+        Average pooling (and none) is linear and the window's columns are the same for every query head of
+        a group, so the group mean of the pooled per-head masses is the pooled group mean: that is what is
+        computed, from the group-summed mass (one kernel, the CUDA one on a GPU). Max pooling is not
+        linear: it pools each query head's mass before the mean."""
+        window = dense.recent_mask(inp.positions, inp.valid, self.window)  # [R, H, N]
+        if self.pooling != "max":
+            return self._pool(self.window_mass(inp).masked_fill(window, 0.0), inp).masked_fill(~inp.valid, 0.0)
+        per_head = inp.ops.window_mass(inp, per_query_head=True).masked_fill(window.unsqueeze(2), 0.0)
         return self._pool(per_head, inp).mean(dim=2).masked_fill(~inp.valid, 0.0)
 
     def scores(self, inp: EvictionInputs) -> Tensor:

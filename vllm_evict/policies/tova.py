@@ -27,25 +27,30 @@ from vllm_evict.policies.options import check_choice
 HEADS = ("layer", "group")
 
 
-def layer_mean(per_query_head: Tensor, positions: Tensor, valid: Tensor, bound: int,
-               query_heads: int | None = None, sum_over_layer: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """Mean over all query heads of the layer, per logical position: [R, H_kv, G, N] -> [R, H_kv, N].
+def layer_mean(mass: Tensor, positions: Tensor, valid: Tensor, bound: int, query_heads: int | None = None,
+               sum_over_layer: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Mean over all query heads of the layer, per logical position: [R, H_kv, N].
 
-    Each candidate gets the mean, over the layer's query heads, of the attention its logical position
-    receives; a query head whose KV head no longer holds that position contributes 0 (as attention to an
-    evicted token). Matching by position, not by slot, keeps this right whatever the slot order.
-    ``bound``: a host int above every position (a padding slot counts at position ``bound``);
-    ``query_heads``: the layer's query heads (default: those here); ``sum_over_layer`` adds the other
-    tensor-parallel ranks' per-position totals (default: none)."""
-    rows, heads, group, n = per_query_head.shape
-    per_kv_head = per_query_head.sum(dim=2).masked_fill(~valid, 0.0)  # [R, H, N]
+    ``mass``: the attention of each query head [R, H_kv, G, N], or its sum over each KV head's group
+    [R, H_kv, N] (then ``query_heads`` is required). Each candidate gets the mean, over the layer's query
+    heads, of the attention its logical position receives; a query head whose KV head no longer holds
+    that position contributes 0 (as attention to an evicted token). Matching by position, not by slot,
+    keeps this right whatever the slot order. ``bound``: a host int above every position (a padding slot
+    counts at position ``bound``); ``query_heads``: the layer's query heads (default: those in ``mass``);
+    ``sum_over_layer`` adds the other tensor-parallel ranks' per-position totals (default: none)."""
+    if mass.dim() == 4:
+        query_heads = query_heads or mass.shape[1] * mass.shape[2]
+        mass = mass.sum(dim=2)
+    if query_heads is None:
+        raise ValueError("layer_mean of a group-summed mass needs the layer's query_heads")
+    rows, heads, n = mass.shape
+    per_kv_head = mass.masked_fill(~valid, 0.0)  # [R, H, N]
     index = positions.long().clamp(0, bound - 1).masked_fill(~valid, bound).view(rows, -1)
     totals = torch.zeros(rows, bound + 1, dtype=per_kv_head.dtype, device=per_kv_head.device)
     totals.scatter_add_(1, index, per_kv_head.view(rows, -1))
     if sum_over_layer is not None:
         totals = sum_over_layer(totals)
-    count = query_heads or heads * group
-    return (totals.gather(1, index).view(rows, heads, n) / count).masked_fill(~valid, 0.0)
+    return (totals.gather(1, index).view(rows, heads, n) / query_heads).masked_fill(~valid, 0.0)
 
 
 class TOVA(SinksAndRecent):
@@ -76,8 +81,11 @@ class TOVA(SinksAndRecent):
     def ranking_mass(self, inp: EvictionInputs) -> Tensor:
         if self.heads == "group":
             return self.attention_mass(inp)
-        # Under tensor parallelism the other ranks' query heads count too: their totals are added.
-        return layer_mean(self.group_masses(inp), inp.positions, inp.valid, inp.seq_len_bound,
+        # Only each group's sum enters the layer mean: the group-summed mass (one kernel, the CUDA one on a
+        # GPU), not the per-query-head one. Under tensor parallelism the other ranks' query heads count
+        # too: their totals are added.
+        newest = inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(1))
+        return layer_mean(newest, inp.positions, inp.valid, inp.seq_len_bound,
                           query_heads=inp.layer_query_heads, sum_over_layer=inp.ops.sum_over_layer)
 
     def mass_rows(self, inp: EvictionInputs) -> Tensor:

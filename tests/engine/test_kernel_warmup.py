@@ -1,0 +1,60 @@
+"""The start-up warm-up (vllm_evict/engine/warmup.py) launches every Triton kernel variant that serving
+then needs, and serving never needs a second variant of a kernel for a per-step number.
+
+The real engine (tiny random Llama, CPU) runs its eviction operations on the Triton kernels in the
+Triton interpreter (``ops.use_backend("triton")``); every launch is recorded with its compile-time
+identity (``vllm_evict.kernels.variants.variant_key``: constexprs, dtypes, pointer alignment, the
+value class of each specialised integer, as Triton keys its compiled variants). The warm-up is run on
+the engine's own layer, then a batch of every method, with options other than the warm-up's (smaller
+windows) and other budgets, evicts in prefill, at the prompt's end and while decoding."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from tests.engine.helpers import greedy, token_prompt
+from vllm_evict import ops
+from vllm_evict.engine.warmup import warmup_configs
+from vllm_evict.kernels.variants import LaunchRecorder
+
+pytestmark = pytest.mark.engine
+
+SERVER = {"policy": "snapkv", "budget": 64, "window": 8}
+SMALL = {"snapkv": {"window": 8}, "ahakv": {"recent": 8}, "nacl": {"proxy": 8}}
+
+
+def batch() -> tuple[list, list]:
+    prompts, params = [], []
+    for i, config in enumerate(warmup_configs()):
+        base = config.policy.split("+")[-1]
+        options = {**dict(config.options), **SMALL.get(base, {})}
+        extra = {"kv_eviction": config.policy, "kv_budget": 40 + 8 * (i % 3), "kv_eviction_config": json.dumps(options)}
+        prompts.append(token_prompt(70 + 11 * i, offset=i + 1))
+        params.append(greedy(36, **extra))
+    return prompts, params
+
+
+def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_factory):
+    engine = engine_factory(tiny_llama, SERVER, max_num_seqs=32, max_num_batched_tokens=192, pages=1024)
+    runner = engine.runner
+    with ops.use_backend("triton"), LaunchRecorder() as warm:
+        runner.evict_warm_up()
+    prompts, params = batch()
+    with ops.use_backend("triton"), LaunchRecorder() as served:
+        engine.llm.generate(prompts, params, use_tqdm=False)
+    warm_keys, served_keys = set(warm.variants()), set(served.variants())
+    assert len(served.launches) > 100, "serving launched (almost) no Triton kernel"
+    missing = sorted(served_keys - warm_keys, key=str)
+    assert not missing, "variants serving needed that the warm-up did not compile:\n" + "\n".join(map(str, missing))
+    # Every kernel compiled once per constexpr combination: no per-step number selected another variant.
+    variants: dict[tuple, set] = defaultdict(set)
+    for name, constexprs, types, specs, options in warm_keys | served_keys:
+        variants[(name, constexprs, types, options)].add(specs)
+    repeated = {k: v for k, v in variants.items() if len(v) > 1}
+    assert not repeated, f"kernels compiled in several variants for the same constexprs: {repeated}"
+    launched = {key[0].rsplit(".", 1)[-1] for key in served_keys}
+    assert {"_window_lse_kernel", "_window_colsum_kernel", "_keydiff_sum_kernel", "_center_sum_kernel",
+            "_value_norms_kernel", "_compact_kernel"} <= launched, launched
