@@ -20,6 +20,8 @@ are such arenas.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -57,17 +59,14 @@ class Staging:
 
     def _new_arena(self, numel: int) -> Tensor:
         arena = _pinned(numel, self.device)
-        _arena_storages.add(arena.untyped_storage().data_ptr())
+        address = arena.untyped_storage().data_ptr()
+        _arena_storages.add(address)
+        weakref.finalize(arena, _arena_storages.discard, address)  # freed memory is no arena any more
         return arena
-
-    def _drop(self, arena: Tensor) -> None:
-        _arena_storages.discard(arena.untyped_storage().data_ptr())
 
     def begin_step(self) -> None:
         """Switch to the other arena (everything staged two turns ago has been copied by now)."""
         self._turn ^= 1
-        for old in self._retired[self._turn]:
-            self._drop(old)
         self._retired[self._turn] = []
         self._used = 0
 

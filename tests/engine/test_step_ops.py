@@ -92,3 +92,34 @@ def test_rows_near_an_eviction_record_their_queries_in_one_write(tiny_llama, eng
     layer_16, step_16 = decode_step_counts(engine, 16)
     assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
     assert dict(layer_16) == {"index_copy_": 1}, f"one ring write per layer expected: {layer_16}"
+
+
+def test_the_step_timer_runs_only_on_layers_with_work(tiny_llama, engine_factory):
+    """The step timer (two CUDA events per timed layer on a GPU) brackets a layer's hook only when it has
+    work: decode steps far from any eviction time nothing."""
+    engine = engine_factory(tiny_llama, {"policy": "snapkv", "budget": 1024}, max_num_seqs=4)
+    runner = engine.runner
+    timer, build = runner.evict_timer, runner.evict_builder.build
+    timed, work = [], []
+
+    class Counting:
+        def __enter__(self):
+            timed.append(runner.evict_step.layer_work)
+            return timer.__enter__()
+
+        def __exit__(self, *exc):
+            return timer.__exit__(*exc)
+
+        def take(self):
+            return timer.take()
+
+    def recording(*args):
+        built = build(*args)
+        work.append(built is not None and built.layer_work)
+        return built
+
+    runner.evict_timer, runner.evict_builder.build = Counting(), recording
+    engine.llm.generate([token_prompt(20)], greedy(6))
+    layers = len(runner.evict_layers)
+    assert work.count(False) >= 4, f"expected decode steps without work: {work}"
+    assert all(timed) and len(timed) == layers * work.count(True), (timed, work)

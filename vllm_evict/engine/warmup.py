@@ -81,6 +81,7 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
     returns the specs skipped (CriticalKV when ``o_proj`` gives no weight)."""
     device, page = g.k.device, g.k.shape[2]
     h_kv, d = g.k.shape[1], g.k.shape[3]
+    k, v = g.k[:1], g.v[:1]  # the null page only (same strides as the whole cache), next to 1-page scratch buffers
     lengths = np.array([page + 3, 5], dtype=np.int64)  # two rows, one across a page boundary
     table = torch.zeros(2, 2, dtype=torch.int32, device=device)  # both rows in the null page
     positions = torch.zeros(1, h_kv, page, dtype=POSITION_DTYPE, device=device)
@@ -97,7 +98,7 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
         window = policy.window_for(config.budget)
         ring = torch.ones(2, window, g.query_heads, d, dtype=g.k.dtype, device=device) if window else None
         ring_positions = torch.arange(2 * window, device=device).view(2, window) if window else None
-        cache = LayerCache(index=0, k=g.k, v=g.v, positions=positions, state=states, ring=ring, scale=g.scale,
+        cache = LayerCache(index=0, k=k, v=v, positions=positions, state=states, ring=ring, scale=g.scale,
                            o_proj=weight if policy.needs_o_proj else None)
         initializers, zero_states = state_initializers([policy])
         for phase, evicting in ((p, e) for p in PHASES for e in (False, True)):

@@ -85,6 +85,11 @@ class Launch:
     def key(self) -> tuple:
         return variant_key(self.kernel, self.args, self.kwargs)
 
+    def bound(self) -> dict[str, Any]:
+        """The launch's arguments by parameter name."""
+        names = [name for name, _ in _parameters(self.kernel)]
+        return {**dict(zip(names, self.args)), **{k: v for k, v in self.kwargs.items() if k in names}}
+
     def describe(self) -> dict[str, Any]:
         """A JSON-able description from which ``benchmarks/triton_aot.py`` compiles the variant: tensors
         as their dtype, numbers as they are, constexprs and launch options by name."""
