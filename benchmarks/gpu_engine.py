@@ -183,6 +183,7 @@ class PageTracker:
         from vllm_evict.schedule import request_bound
 
         scheduler = core.scheduler
+        page, chunk = scheduler.page_size, scheduler.scheduler_config.max_num_batched_tokens
         self.worst = 0.0  # the largest pages / bound seen
         self.violations: list[str] = []
         self.evictions = 0
@@ -199,9 +200,9 @@ class PageTracker:
                     continue
                 config = resolve_request_config(server, extra)
                 bound = request_bound(config, prompt_len=request.num_prompt_tokens, max_new_tokens=max_new,
-                                      page_size=PAGE, chunk=CHUNK, replayed=request.num_output_tokens)
+                                      page_size=page, chunk=chunk, replayed=request.num_output_tokens)
                 pages = len(scheduler.attention_manager.req_to_blocks.get(rid, ()))
-                allowed = math.ceil(bound / PAGE)
+                allowed = math.ceil(bound / page)
                 self.worst = max(self.worst, pages / allowed)
                 if pages > allowed:
                     self.violations.append(f"{rid}: {pages} pages > {allowed} ({bound} tokens)")
@@ -259,17 +260,17 @@ def engine_checks(model: str, out: Path) -> int:
                f"{sum(same)}/{len(same)} requests equal; max |logprob diff| {max(diffs, default=0):.2e}")
 
     specs = warmup_configs()
-    extras = {str(i): {"kv_eviction": c.policy, "kv_budget": 256,
+    extras = {f"evict-{i}": {"kv_eviction": c.policy, "kv_budget": 256,
                        "kv_eviction_config": json.dumps(dict(c.options))} for i, c in enumerate(specs)}
     tracker = PageTracker(core_of(llm), server, extras, max_new=64)
     evicting = random_prompts(len(specs), lambda i: 900 + 53 * i, vocab, seed=2)
     from vllm import SamplingParams
 
-    params = [SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, extra_args=extras[str(i)])
+    params = [SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, extra_args=extras[f"evict-{i}"])
               for i in range(len(specs))]
     engine = llm.llm_engine
     for i, (prompt, p) in enumerate(zip(evicting, params)):
-        engine.add_request(str(i), prompt, p)
+        engine.add_request(f"evict-{i}", prompt, p)
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
@@ -362,7 +363,8 @@ def measure(llm: Any, scenario: Scenario, vocab: int, name: str, extra: dict[str
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     total = generated + scenario.requests * scenario.prompt
-    prefill = [s for s in steps if s["tokens"] >= CHUNK // 2]
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prefill = [s for s in steps if s["tokens"] >= chunk // 2]  # steps of (mostly) prompt chunks
     evict_s = sum(s["eviction_s"] for s in steps)
     result = {"name": name, "seconds": round(seconds, 2), "tokens_per_s": total / seconds,
               "generated_per_s": generated / seconds, "max_running": max((s["running"] for s in steps), default=0),

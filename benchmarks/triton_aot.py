@@ -135,6 +135,7 @@ def compile_all(variants: list[dict[str, Any]], arch: int) -> list[dict[str, Any
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
+    previous = driver._active  # reset_active() would build the default driver, which needs a GPU
     driver.set_active(_TargetDriver(GPUTarget("cuda", arch, 32)))
     results = []
     try:
@@ -151,7 +152,7 @@ def compile_all(variants: list[dict[str, Any]], arch: int) -> list[dict[str, Any
             row["compile_s"] = round(time.perf_counter() - start, 2)
             results.append(row)
     finally:
-        driver.reset_active()
+        driver._active = previous
     return results
 
 
@@ -176,20 +177,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--md", type=Path, help="write the markdown table here")
+    parser.add_argument("--variants", type=Path, help="keep the recorded variants in this file")
+    parser.add_argument("--reuse", action="store_true", help="compile the variants of --variants, no recording")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # internal: step 1 into this file
     args = parser.parse_args(argv)
     if args.record:
         args.record.write_text(json.dumps(record(args.dtype, args.head_size)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        recorded = Path(tmp) / "variants.json"
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        start = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--record", str(recorded), "--dtype", args.dtype,
-                        "--head-size", str(args.head_size)], env=env, check=True)
+        recorded = args.variants or Path(tmp) / "variants.json"
+        if not (args.reuse and recorded.exists()):
+            env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            start = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--record", str(recorded), "--dtype", args.dtype,
+                            "--head-size", str(args.head_size)], env=env, check=True)
+            print(f"recorded variants in {time.perf_counter() - start:.0f} s", flush=True)
         variants = json.loads(recorded.read_text())
-        print(f"recorded {len(variants)} variants in {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"{len(variants)} variants", flush=True)
     start = time.perf_counter()
     results = compile_all(variants, args.arch)
     print(f"compiled in {time.perf_counter() - start:.0f} s")

@@ -34,7 +34,7 @@ def batch() -> tuple[list, list]:
         base = config.policy.split("+")[-1]
         options = {**dict(config.options), **SMALL.get(base, {})}
         extra = {"kv_eviction": config.policy, "kv_budget": 40 + 8 * (i % 3), "kv_eviction_config": json.dumps(options)}
-        prompts.append(token_prompt(70 + 11 * i, offset=i + 1))
+        prompts.append(token_prompt(60 + 5 * i, offset=i + 1))
         params.append(greedy(36, **extra))
     return prompts, params
 

@@ -193,8 +193,11 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
               query_positions, *query_positions.stride(), gain_t, g_s_r, g_s_w, positions, *positions.stride(),
               lse, lse.stride(0), lse.stride(1))
     geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
+    # fp32 dot operands multiply without tensor cores: with 4 warps the 64-key tile spills at head size 128
+    # (measured with benchmarks/triton_aot.py for sm_90); 8 warps hold it. bf16/fp16 fit in 4.
+    warps = 8 if prec == "ieee" else 4
     meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
-                BLOCK_D=block_d(d))
+                BLOCK_D=block_d(d), num_warps=warps)
     _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](
         *common, w, width, float(scale), group, *geometry, **meta)
     o_s_g = out.stride(2) if per_query_head else 0
