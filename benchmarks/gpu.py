@@ -124,7 +124,7 @@ def plan(args: argparse.Namespace) -> list[Phase]:
                         "page bounds, zero syncs, no compile after start-up, fp8 refusal", 150, 330,
                         [py, me, "engine", "--model", str(models / "small"), "--json", str(out / "engine.json")]),
         "bench": Phase("bench", "Llama-3.1-8B geometry, vanilla vs eviction: memory to spare; 8k prompts at "
-                       "budget 1,024 with equal KV memory", 240, 420,
+                       "budget 1,024 with equal KV memory", 270, 420,
                        [py, me, "bench", "--model", str(models / "llama8b"), "--json", str(out / "bench.json"),
                         "--kv-gib", str(args.kv_gib), "--requests-8k", str(args.requests_8k)]),
     }
@@ -262,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="every phase, results into --out")
     p.add_argument("--models", default=".gpu/models")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-results"))
-    p.add_argument("--phases", default="env,kernels,contract,engine,bench")
+    # engine and bench first: only a GPU can run them; the kernel tests can rerun alone (--phases kernels)
+    p.add_argument("--phases", default="env,contract,engine,bench,kernels")
     p.add_argument("--deadline-s", type=int, default=570, help="skip phases that would not finish by then")
     p.add_argument("--kv-gib", type=float, default=20.0, help="KV memory of both bench engines")
-    p.add_argument("--requests-8k", type=int, default=64, help="8k-token requests of the equal-memory scenario")
+    p.add_argument("--requests-8k", type=int, default=48, help="8k-token requests of the equal-memory scenario")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     p = sub.add_parser("env")
     p.add_argument("--json", required=True)
@@ -276,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--kv-gib", type=float, default=20.0)
-    p.add_argument("--requests-8k", type=int, default=64)
+    p.add_argument("--requests-8k", type=int, default=48)
     p.add_argument("--quick", action="store_true", help="smaller batches (a smoke run)")
+    p.add_argument("--full", action="store_true", help="also SnapKV in both scenarios")
     p = sub.add_parser("report", help="results.json -> markdown")
     p.add_argument("results")
     args = parser.parse_args(argv)
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "engine":
         return gpu_engine.engine_checks(args.model, Path(args.json))
     return gpu_engine.bench(args.model, Path(args.json), kv_gib=args.kv_gib, requests_8k=args.requests_8k,
-                            quick=args.quick)
+                            quick=args.quick, full=args.full)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Compile every Triton kernel variant a GPU server launches, ahead of time and without a GPU, and report
 each one's registers, stack and spills.
 
-    python benchmarks/triton_aot.py [--arch 90] [--dtype bfloat16] [--head-size 128] [--json F] [--md F]
+    python benchmarks/triton_aot.py [--arch 90] [--dtype bfloat16,float16,float32] [--head-size 128] [--json F] [--md F]
 
 1. *Record* (a subprocess under the Triton interpreter, CPU tensors): the server's start-up warm-up
    (``vllm_evict/engine/warmup.py``) runs every method's eviction step on a Llama-3.1-8B-shaped layer
@@ -48,7 +48,10 @@ def record(dtype_name: str, head_size: int) -> list[dict[str, Any]]:
     from vllm_evict.kernels.variants import LaunchRecorder
 
     dtype = getattr(torch, dtype_name)
-    pages, page, h_kv, h_q = 4, 16, 8, 32
+    # Llama-3.1-8B's GQA group (4 query heads per KV head) with fewer heads: a compiled variant depends on
+    # the group size and on the value class of the strides (all divisible by 16 either way), not on the
+    # head count, and the interpreter runs 4x faster.
+    pages, page, h_kv, h_q = 4, 16, 2, 8
     raw = torch.zeros(pages, page, h_kv, 2 * head_size, dtype=dtype)  # vLLM's NHD pages, K and V halves
     k, v = raw.transpose(1, 2).split(head_size, dim=-1)
     # Only the value class of o_proj's row count is specialised (4096 and 256 alike: divisible by 16).
@@ -157,9 +160,8 @@ def compile_all(variants: list[dict[str, Any]], arch: int) -> list[dict[str, Any
 
 
 def markdown(results: list[dict[str, Any]], arch: int, dtype: str, head_size: int) -> str:
-    lines = [f"Triton kernel variants compiled for sm_{arch} ({dtype}, head size {head_size}, Llama-3.1-8B "
-             f"heads), `python benchmarks/triton_aot.py --arch {arch} --dtype {dtype} --head-size {head_size}`:",
-             "", "| variant | warps | stages | registers | stack (B) | spill st/ld (B) | shared (B) |",
+    lines = [f"### {dtype}, head size {head_size}", "",
+             "| variant | warps | stages | registers | stack (B) | spill st/ld (B) | shared (B) |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["variant"]):
         if not r.get("ok"):
@@ -170,42 +172,58 @@ def markdown(results: list[dict[str, Any]], arch: int, dtype: str, head_size: in
     return "\n".join(lines) + "\n"
 
 
+def recorded_variants(dtype: str, head_size: int, keep: Path | None, reuse: bool) -> list[dict[str, Any]]:
+    """Step 1 in a subprocess under the Triton interpreter (``keep``: where the variants are kept)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = keep or Path(tmp) / "variants.json"
+        if not (reuse and path.exists()):
+            env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            start = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--record", str(path), "--dtype", dtype,
+                            "--head-size", str(head_size)], env=env, check=True)
+            print(f"{dtype}: recorded in {time.perf_counter() - start:.0f} s", flush=True)
+        return json.loads(path.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability as an int (90 = sm_90)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16,float16,float32", help="model dtypes, comma-separated")
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--md", type=Path, help="write the markdown table here")
-    parser.add_argument("--variants", type=Path, help="keep the recorded variants in this file")
-    parser.add_argument("--reuse", action="store_true", help="compile the variants of --variants, no recording")
+    parser.add_argument("--md", type=Path, help="write the markdown tables here")
+    parser.add_argument("--variants", type=Path, help="keep the recorded variants in this folder")
+    parser.add_argument("--reuse", action="store_true", help="compile the variants kept in --variants")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # internal: step 1 into this file
     args = parser.parse_args(argv)
     if args.record:
         args.record.write_text(json.dumps(record(args.dtype, args.head_size)))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        recorded = args.variants or Path(tmp) / "variants.json"
-        if not (args.reuse and recorded.exists()):
-            env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-            start = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--record", str(recorded), "--dtype", args.dtype,
-                            "--head-size", str(args.head_size)], env=env, check=True)
-            print(f"recorded variants in {time.perf_counter() - start:.0f} s", flush=True)
-        variants = json.loads(recorded.read_text())
-        print(f"{len(variants)} variants", flush=True)
-    start = time.perf_counter()
-    results = compile_all(variants, args.arch)
-    print(f"compiled in {time.perf_counter() - start:.0f} s")
-    table = markdown(results, args.arch, args.dtype, args.head_size)
-    print(table)
+    runs, tables = [], []
+    for dtype in args.dtype.split(","):
+        keep = args.variants / f"{dtype}.json" if args.variants else None
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+        variants = recorded_variants(dtype, args.head_size, keep, args.reuse)
+        start = time.perf_counter()
+        results = compile_all(variants, args.arch)
+        print(f"{dtype}: {len(variants)} variants compiled in {time.perf_counter() - start:.0f} s", flush=True)
+        runs.append({"dtype": dtype, "variants": results})
+        tables.append(markdown(results, args.arch, dtype, args.head_size))
+    text = (f"Every Triton kernel variant a server launches (Llama-3.1-8B's GQA group, vLLM's NHD pages of 16), "
+            f"compiled for sm_{args.arch} without a GPU: `python benchmarks/triton_aot.py --arch {args.arch} "
+            f"--dtype {args.dtype} --head-size {args.head_size}`.\n\n" + "\n".join(tables))
+    print(text)
     if args.json:
-        args.json.write_text(json.dumps({"arch": args.arch, "dtype": args.dtype, "head_size": args.head_size,
-                                         "variants": results}, indent=1))
+        args.json.write_text(json.dumps({"arch": args.arch, "head_size": args.head_size, "runs": runs}, indent=1))
     if args.md:
-        args.md.write_text(table)
-    failed = [r["variant"] for r in results if not r.get("ok")]
+        args.md.write_text(text)
+    failed = [r["variant"] for run in runs for r in run["variants"] if not r.get("ok")]
+    spilled = [f"{run['dtype']} {r['variant']}" for run in runs for r in run["variants"]
+               if r.get("ok") and (r.get("spill_store_bytes") or r.get("spill_load_bytes"))]
+    if spilled:
+        print(f"spills: {spilled}", file=sys.stderr)
     if failed:
         print(f"FAILED to compile: {failed}", file=sys.stderr)
         return 1
