@@ -129,9 +129,11 @@ def resources(compiled: Any, arch: int) -> dict[str, Any]:
 
 
 def _label(variant: dict[str, Any]) -> str:
+    """Kernel, the dtype of its first tensor (which cache it reads or moves) and its non-tile constexprs."""
     name = variant["kernel"].rsplit(".", 1)[-1]
+    first = next((a["dtype"] for a in variant["args"] if "dtype" in a), "")
     shown = {k: v for k, v in variant["constexprs"].items() if not k.startswith("BLOCK")}
-    return name + (" " + ", ".join(f"{k}={v}" for k, v in shown.items()) if shown else "")
+    return f"{name} ({first})" + (" " + ", ".join(f"{k}={v}" for k, v in shown.items()) if shown else "")
 
 
 def compile_all(variants: list[dict[str, Any]], arch: int) -> list[dict[str, Any]]:
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, help="write the markdown tables here")
     parser.add_argument("--variants", type=Path, help="keep the recorded variants in this folder")
     parser.add_argument("--reuse", action="store_true", help="compile the variants kept in --variants")
+    parser.add_argument("--num-warps", type=int, help="compile every variant with this many warps instead "
+                        "(to compare with the launchers' choice)")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # internal: step 1 into this file
     args = parser.parse_args(argv)
     if args.record:
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         if keep is not None:
             keep.parent.mkdir(parents=True, exist_ok=True)
         variants = recorded_variants(dtype, args.head_size, keep, args.reuse)
+        if args.num_warps:
+            for variant in variants:
+                variant["options"]["num_warps"] = args.num_warps
         start = time.perf_counter()
         results = compile_all(variants, args.arch)
         print(f"{dtype}: {len(variants)} variants compiled in {time.perf_counter() - start:.0f} s", flush=True)

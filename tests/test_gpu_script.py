@@ -64,8 +64,7 @@ def test_dry_run_walks_every_phase_without_a_gpu():
     assert run("run", "--dry-run", "--phases", "engine,nope").returncode != 0
 
 
-@pytest.mark.parametrize("command", [["run"], ["env", "--json", "/tmp/x.json"], ["engine", "--model", "m", "--json", "j"],
-                                     ["bench", "--model", "m", "--json", "j"]])
+@pytest.mark.parametrize("command", [["run"], ["bench", "--model", "m", "--json", "j"]])
 def test_device_parts_fail_loudly_without_cuda(command):
     done = run(*command)
     assert done.returncode == 2 and "no CUDA device is visible" in done.stderr, (done.returncode, done.stderr[-500:])

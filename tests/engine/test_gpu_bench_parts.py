@@ -20,8 +20,13 @@ import gpu_engine  # noqa: E402
 SERVER = {"policy": "snapkv", "budget": 64, "window": 16}
 
 
-def test_measure_reports_throughput_concurrency_and_eviction_share(tiny_llama, engine_factory):
+def test_measure_and_page_tracking(tiny_llama, engine_factory):
     engine = engine_factory(tiny_llama, SERVER, max_num_seqs=8, max_num_batched_tokens=128)
+    measure_reports_throughput_concurrency_and_eviction_share(engine)
+    page_tracker_checks_every_request_against_its_bound(engine)
+
+
+def measure_reports_throughput_concurrency_and_eviction_share(engine):
     scenario = gpu_engine.Scenario("small", requests=6, prompt=200, generate=12)
     result = gpu_engine.measure(engine.llm, scenario, 500, "snapkv 64", None)
     assert result["tokens_per_s"] > 0 and result["generated_per_s"] > 0 and result["steps"] > 0
@@ -31,8 +36,7 @@ def test_measure_reports_throughput_concurrency_and_eviction_share(tiny_llama, e
     assert result["preemptions"] == 0
 
 
-def test_page_tracker_checks_every_request_against_its_bound(tiny_llama, engine_factory):
-    engine = engine_factory(tiny_llama, SERVER, max_num_seqs=8, max_num_batched_tokens=128)
+def page_tracker_checks_every_request_against_its_bound(engine):
     honest = {"evict-0": {"kv_budget": 48}, "evict-1": {"kv_eviction": "keydiff", "kv_budget": 40}}
     tracker = gpu_engine.PageTracker(gpu_engine.core_of(engine.llm), SERVER, honest, max_new=40)
     llm_engine = engine.llm.llm_engine
