@@ -35,7 +35,7 @@ case "$MODE" in
     PARTS=/tmp/gpu_parts SITE=/tmp/site
     bash "$PARTS/assemble.sh" "$PARTS" "$SITE"
     export PYTHONPATH=$SITE VLLM_USE_FLASHINFER_SAMPLER=0 TVM_FFI_DISABLE_TORCH_C_DLPACK=1 HF_HUB_OFFLINE=1 \
-           VLLM_NO_USAGE_STATS=1
+           VLLM_NO_USAGE_STATS=1 PATH=$SITE/bin:$PATH   # the `vllm` command (tests/test_cli_flags.py)
     pip install -q --no-deps --no-build-isolation --target "$SITE" .
     python3 -c "import vllm._C_stable_libtorch, vllm.vllm_flash_attn._vllm_fa3_C; from vllm import LLM"
     python3 -c "import pytest" 2>/dev/null || pip install -q --no-index --no-deps --target "$SITE" .gpu/extra/*.whl
