@@ -129,7 +129,9 @@ GPU_VLLM  := vllm==0.33.0
 # Requirements of the vLLM wheel installed without their version bounds because the package index here
 # cannot satisfy them: vllm 0.33.0 asks for certifi>=2026.10.19, the newest there is 2026.10.18.
 GPU_RELAX := certifi
-GPU_STAMP := $(GPU_VENV)/.install-$(shell echo "$(GPU_VLLM) $(GPU_RELAX)" | sha256sum | cut -c1-16)
+# Ray for vLLM's Ray executor, which the host contract checks (vLLM's ray_executor_v2 does not import without it).
+GPU_EXTRA := pytest ray==2.60.0
+GPU_STAMP := $(GPU_VENV)/.install-$(shell echo "$(GPU_VLLM) $(GPU_RELAX) $(GPU_EXTRA)" | sha256sum | cut -c1-16)
 
 define GPU_REQUIREMENTS_PY
 import re, sys, zipfile
@@ -156,7 +158,7 @@ $(GPU_STAMP):
 	rm -rf $(GPU_VENV)/wheel
 	$(GPU_PY) -m pip download --no-deps -d $(GPU_VENV)/wheel $(GPU_VLLM)
 	$(GPU_PY) -c "$$GPU_REQUIREMENTS_PY" $(GPU_VENV)/wheel/vllm-*.whl $(GPU_RELAX) > $(GPU_VENV)/requirements.txt
-	$(GPU_PY) -m pip install -r $(GPU_VENV)/requirements.txt pytest
+	$(GPU_PY) -m pip install -r $(GPU_VENV)/requirements.txt $(GPU_EXTRA)
 	$(GPU_PY) -m pip install --no-deps $(GPU_VENV)/wheel/vllm-*.whl
 	$(GPU_PY) -m pip install --no-deps -e .
 	@rm -f $(GPU_VENV)/.install-*
