@@ -15,11 +15,13 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+import torch
 
 from tests.engine.helpers import greedy, token_prompt
 from tests.policies.helpers import SPECS
 from tests.sync_audit import SyncAudit
 from vllm_evict.engine import runner as runner_module
+from vllm_evict.engine import step_builder
 from vllm_evict.engine.runner import HOOK_ATTR
 
 pytestmark = pytest.mark.engine
@@ -30,7 +32,7 @@ SERVER = {"policy": "snapkv", "budget": 64, "window": 8}
 OPTIONS = {"snapkv": {"window": 8}, "ahakv": {"recent": 8}}
 VARIANTS = [("snapkv", {"window": 8, "pooling": "max"}), ("tova", {"heads": "group"}),
             ("caote+snapkv", {"window": 8, "caote_mode": "head"}), ("fastcaote+tova", {"caote_mode": "head"})]
-PROMPT, NEW_TOKENS, BUDGET = 100, 36, 48
+PROMPT, NEW_TOKENS, BUDGET, SLACK = 64, 12, 48, 8  # decode evicts every SLACK tokens
 
 
 def requests() -> dict[str, tuple[dict, dict]]:
@@ -39,8 +41,9 @@ def requests() -> dict[str, tuple[dict, dict]]:
     out = {}
     for i, (spec, options) in enumerate(specs):
         for budget in (BUDGET, 1024):
-            extra = {"kv_eviction": spec, "kv_budget": budget, "kv_eviction_config": json.dumps(options)}
-            out[f"{spec}{options or ''}@{budget}"] = (token_prompt(PROMPT + 3 * i, offset=i + 1), extra)
+            extra = {"kv_eviction": spec, "kv_budget": budget,
+                     "kv_eviction_config": json.dumps({**options, "slack": SLACK})}
+            out[f"{spec}{options or ''}@{budget}"] = (token_prompt(PROMPT + 2 * i, offset=i + 1), extra)
     return out
 
 
@@ -137,7 +140,20 @@ def test_elastic_compressions_do_not_synchronise(tiny_llama, engine_factory):
     batch = {f"r{i}": (token_prompt(150 + 20 * i, offset=i + 1), extra) for i, extra in enumerate(
         [{}, {"kv_eviction": "keydiff"}, {"kv_eviction": "caote+ahakv", "kv_eviction_config": '{"recent": 16}'},
          {"kv_eviction": "criticalkv+snapkv"}])}
-    audited, _ = run_audited(engine, batch)
+    tables = []
+    build_group = step_builder.build_group
+
+    def recording(policy, phase, block_table, *args, **kwargs):
+        tables.append(block_table.dtype)
+        return build_group(policy, phase, block_table, *args, **kwargs)
+
+    step_builder.build_group = recording
+    try:
+        audited, _ = run_audited(engine, batch)
+    finally:
+        step_builder.build_group = build_group
     assert audited.calls["compress"] > 0 and engine.runner.evict_builder is not None
+    # Compressions and steps hand the kernels block tables of one dtype (vLLM's int32): one compiled variant.
+    assert set(tables) == {torch.int32}, set(tables)
     violations = sorted({str(v) for v in audited.audit.violations})
     assert not violations, "host-device synchronisations in elastic compressions:\n" + "\n".join(violations)

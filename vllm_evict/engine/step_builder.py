@@ -225,7 +225,7 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
         policy = rows.policies.policies[key[0]]
         groups.append(build_group(
-            policy, PHASES[key[1]], staging.to_device(table)[0], page,
+            policy, PHASES[key[1]], staging.to_device(table)[0].to(torch.int32), page,  # int32 like vLLM's
             lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
             seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
             ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
