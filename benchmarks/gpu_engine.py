@@ -388,7 +388,7 @@ def bench(model: str, out: Path, *, kv_gib: float, requests_8k: int, quick: bool
     spare = Scenario("memory to spare (64 x 2048 + 256)", 16 if quick else 64, 2048, 64 if quick else 256)
     tight = Scenario(f"equal KV memory ({requests_8k} x 8000 + 128)", min(requests_8k, 8) if quick else requests_8k,
                      8000, 32 if quick else 128)
-    common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=8448, max_num_seqs=128)
+    common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=8192, max_num_seqs=128)  # vLLM caps llama3 RoPE at 8192 here
     notes = [f"KV memory of each engine: {kv_gib} GiB (eviction's buffers come out of it); chunk {CHUNK} tokens; "
              f"pages of {PAGE}; Llama-3.1-8B geometry, dummy weights, bf16, FA3, piecewise CUDA graphs."]
     results = {"spare": [], "tight": []}

@@ -24,7 +24,9 @@ case "$MODE" in
     for p in /.gpu/ /.gpu-stage/; do
       grep -qxF "$p" "$(git rev-parse --git-path info/exclude)" || echo "$p" >> "$(git rev-parse --git-path info/exclude)"
     done
-    [ -d .gpu/c01 ] || bash ../shared/gpu/stage.sh
+    KIT=${GPU_KIT:-$(for k in ../shared/gpu ../../shared/gpu; do [ -f "$k/stage.sh" ] && echo "$k" && break; done)}
+    [ -n "$KIT" ] || { echo "gpu_run: the GPU kit (shared/gpu/stage.sh) is not found; set GPU_KIT" >&2; exit 2; }
+    [ -d .gpu/c01 ] || bash "$KIT/stage.sh"
     .venv/bin/python benchmarks/gpu.py prepare --out .gpu/models
     PYTEST_VERSION=$(.venv/bin/python -c 'import pytest; print(pytest.__version__)')
     .venv/bin/python -m pip download -q --no-deps -d .gpu/extra "pytest==$PYTEST_VERSION" pluggy iniconfig
