@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     for phase in phases:
         left = args.deadline_s - (time.perf_counter() - start)
         if left < phase.estimate_s:
-            results["phases"][phase.name] = {"status": "skipped", "reason": f"{left:.0f} s left, needs ~{phase.estimate_s}"}
+            reason = f"{left:.0f} s left, needs ~{phase.estimate_s}"
+            results["phases"][phase.name] = {"status": "skipped", "reason": reason}
             continue
         began = time.perf_counter()
         print(f"[gpu] {phase.name}: {phase.what}", flush=True)
@@ -189,7 +190,8 @@ def markdown(results: dict[str, Any]) -> str:
              "| phase | status | seconds |", "|---|---|---|"]
     phases = results.get("phases", {})
     for name, p in phases.items():
-        lines.append(f"| {name} | {p['status']}{': ' + p['reason'] if p.get('reason') else ''} | {p.get('seconds', '-')} |")
+        reason = f": {p['reason']}" if p.get("reason") else ""
+        lines.append(f"| {name} | {p['status']}{reason} | {p.get('seconds', '-')} |")
     env = phases.get("env", {}).get("data")
     if env:
         lines += ["", f"Device: {env.get('gpu')}; torch {env.get('torch')}, triton {env.get('triton')}, "

@@ -283,7 +283,8 @@ def engine_checks(model: str, out: Path) -> int:
     checks.add("every method evicts in bf16 + FA3 + piecewise graphs", complete == len(specs) and tracker.evictions > 0,
                f"{complete}/{len(specs)} requests complete, {tracker.evictions} (request, step) evictions")
     checks.add("pages within each request's bound", not tracker.violations,
-               f"largest pages/bound {tracker.worst:.2f}" + (f"; {tracker.violations[:3]}" if tracker.violations else ""))
+               f"largest pages/bound {tracker.worst:.2f}"
+               + (f"; {tracker.violations[:3]}" if tracker.violations else ""))
     checks.add("no host-device sync in the hooks and the step builder", not monitor.syncs and monitor.calls > 0,
                f"{monitor.calls} audited calls; {len(monitor.syncs)} syncs {sorted(set(monitor.syncs))[:5]}")
     checks.add("no host-to-device copy from pageable memory there", not monitor.pageable,
@@ -388,7 +389,8 @@ def bench(model: str, out: Path, *, kv_gib: float, requests_8k: int, quick: bool
     spare = Scenario("memory to spare (64 x 2048 + 256)", 16 if quick else 64, 2048, 64 if quick else 256)
     tight = Scenario(f"equal KV memory ({requests_8k} x 8000 + 128)", min(requests_8k, 8) if quick else requests_8k,
                      8000, 32 if quick else 128)
-    common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=8192, max_num_seqs=128)  # vLLM caps llama3 RoPE at 8192 here
+    # 8192: the longest vLLM derives for this config (its llama3 RoPE scaling's original length)
+    common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=8192, max_num_seqs=128)
     notes = [f"KV memory of each engine: {kv_gib} GiB (eviction's buffers come out of it); chunk {CHUNK} tokens; "
              f"pages of {PAGE}; Llama-3.1-8B geometry, dummy weights, bf16, FA3, piecewise CUDA graphs."]
     results = {"spare": [], "tight": []}

@@ -72,7 +72,8 @@ def test_device_parts_fail_loudly_without_cuda(command):
 
 def test_report_tables_from_results():
     results = {"started": "2026-11-26 10:00:00", "seconds": 512.0, "phases": {
-        "env": {"status": "ok", "seconds": 40, "data": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6",
+        "env": {"status": "ok", "seconds": 40, "data": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11",
+                                                         "triton": "3.6",
                                                          "vllm": "0.33.0", "cuda_extension": "built",
                                                          "kernels": {"compact_tokens": "cuda"}}},
         "kernels": {"status": "failed", "seconds": 80},
