@@ -5,8 +5,10 @@ every meta score over every attention-mass base, and the option variants that ta
 each both evicting (in prefill or at the prompt's end, and while decoding) and never evicting, while
 ``tests/sync_audit.SyncAudit`` watches everything the worker does for eviction: each attention layer's
 hook (except vLLM's own attention forward inside it), the per-step builder, the elastic compressions
-before the forward and the block-table bookkeeping. The audit sees every operation these run, whatever
-function it sits in, so code added on the hook path later is covered too."""
+before the forward, the block-table bookkeeping and the per-row bookkeeping as requests join and leave
+the batch (a method's first request allocating that method's buffers aside: once, not per step). The
+audit sees every operation these run, whatever function it sits in, so code added on the hook path
+later is covered too."""
 
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ class AuditedRunner:
         self.kinds: dict[str, set[tuple[str, bool]]] = defaultdict(set)
         self.calls: dict[str, int] = defaultdict(int)
         self._restore: list[tuple[Any, str, Any]] = []
+        self._inside = False
         for index, (_, module) in enumerate(runner._attention_layers()):
             original = getattr(module.impl.forward, HOOK_ATTR)
             hook = runner._make_hook(index, self._paused(original))
@@ -64,6 +67,11 @@ class AuditedRunner:
         build = runner.evict_builder.build
         self._patch(runner.evict_builder, "build", self._audited("build", self._recording(build)))
         self._patch(runner, "_apply_compactions", self._audited("compactions", runner._apply_compactions))
+        rows = runner.evict_rows  # the per-row bookkeeping vLLM's input batch calls as rows come and go
+        for name in ("add", "park", "forget", "clear", "move", "swap"):
+            self._patch(rows, name, self._audited("rows", getattr(rows, name)))
+        # The first request of a method not seen before allocates that method's buffers: once, not per step.
+        self._patch(rows, "on_new_policy", self._paused(rows.on_new_policy))
         self._patch(runner_module, "compress_before_forward",
                     self._audited("compress", runner_module.compress_before_forward))
 
@@ -78,8 +86,14 @@ class AuditedRunner:
     def _audited(self, label: str, fn: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.calls[label] += 1
-            with self.audit:
+            if self._inside:  # already audited by the enclosing call
                 return fn(*args, **kwargs)
+            self._inside = True
+            try:
+                with self.audit:
+                    return fn(*args, **kwargs)
+            finally:
+                self._inside = False
         return run
 
     def _paused(self, fn: Any) -> Any:
@@ -129,7 +143,7 @@ def test_no_step_of_any_policy_synchronises(tiny_llama, engine_factory):
         want = {("prefill", True), ("decode", True), ("decode", False)} if evicting else {
             ("prefill", False), ("decode", False)}
         assert want <= seen, f"{name}: steps of kinds {sorted(want - seen)} never ran"
-    assert audited.calls["hook"] and audited.calls["build"] and audited.calls["compactions"]
+    assert audited.calls["hook"] and audited.calls["build"] and audited.calls["compactions"] and audited.calls["rows"]
     assert audited.audit.ops_seen > 1000, "the audit saw (almost) no tensor operation"
 
 
