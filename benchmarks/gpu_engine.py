@@ -85,8 +85,8 @@ def greedy(max_tokens: int, logprobs: int | None = None, **extra: Any) -> Any:
 
 # ---- watching the eviction path --------------------------------------------------------------------
 class PathMonitor:
-    """Around the eviction hooks (vLLM's attention forward inside them excluded), the step builder and
-    elastic compressions: every synchronising CUDA call (``torch.cuda.set_sync_debug_mode("warn")``,
+    """Around the eviction hooks (vLLM's attention forward inside them excluded), the step builder,
+    elastic compressions and the per-row bookkeeping: every synchronising CUDA call (``torch.cuda.set_sync_debug_mode("warn")``,
     the warnings recorded with their Python location) and every host-to-device copy from unpinned
     memory (``Tensor.copy_`` / ``Tensor.to`` inspected while active)."""
 
@@ -103,6 +103,10 @@ class PathMonitor:
             module.impl.forward = self._checked(runner._make_hook(index, self._unchecked(original)))
         runner.evict_builder.build = self._checked(runner.evict_builder.build)
         runner_module.compress_before_forward = self._checked(runner_module.compress_before_forward)
+        rows = runner.evict_rows  # per-row bookkeeping as requests join and leave the batch
+        for name in ("add", "park", "forget", "clear", "move", "swap"):
+            setattr(rows, name, self._checked(getattr(rows, name)))
+        rows.on_new_policy = self._unchecked(rows.on_new_policy)  # a method's first request: once
         self._install_copy_checks()
 
     def _install_copy_checks(self) -> None:
@@ -125,6 +129,8 @@ class PathMonitor:
     def _checked(self, fn: Callable) -> Callable:
         def run(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
+            if self._active:  # inside a checked call already
+                return fn(*args, **kwargs)
             self._active = True
             torch.cuda.set_sync_debug_mode("warn")
             try:
