@@ -134,7 +134,7 @@ class EvictRunnerMixin:
         from vllm_evict import csrc, ops
 
         # Built (or found missing) now, not inside the first eviction's forward on every rank at once.
-        if geometry.device.type == "cuda" and csrc.load_extension() is None:
+        if csrc.load_extension() is None and geometry.device.type == "cuda":
             logger.warning("vllm_evict: the CUDA eviction kernels are unavailable (%s); their operations run "
                            "on Triton", csrc.load_error())
         logger.info("vllm_evict: kernels per operation: %s",
