@@ -174,18 +174,25 @@ def markdown(results: list[dict[str, Any]], arch: int, dtype: str, head_size: in
     return "\n".join(lines) + "\n"
 
 
-def recorded_variants(dtype: str, head_size: int, keep: Path | None, reuse: bool) -> list[dict[str, Any]]:
-    """Step 1 in a subprocess under the Triton interpreter (``keep``: where the variants are kept)."""
+def record_all(dtypes: list[str], head_size: int, keep: Path | None, reuse: bool) -> dict[str, list[dict[str, Any]]]:
+    """Step 1 for each dtype, in subprocesses under the Triton interpreter running side by side
+    (``keep``: the folder where the variants are kept; ``reuse``: read them from there instead)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = keep or Path(tmp) / "variants.json"
-        if not (reuse and path.exists()):
-            env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-            start = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--record", str(path), "--dtype", dtype,
-                            "--head-size", str(head_size)], env=env, check=True)
-            print(f"{dtype}: recorded in {time.perf_counter() - start:.0f} s", flush=True)
-        return json.loads(path.read_text())
+        folder = keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {dtype: folder / f"{dtype}.json" for dtype in dtypes}
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        start = time.perf_counter()
+        running = {dtype: subprocess.Popen([sys.executable, __file__, "--record", str(path), "--dtype", dtype,
+                                            "--head-size", str(head_size)], env=env)
+                   for dtype, path in paths.items() if not (reuse and path.exists())}
+        for dtype, proc in running.items():
+            if proc.wait() != 0:
+                raise RuntimeError(f"recording the {dtype} variants failed (exit {proc.returncode})")
+        if running:
+            print(f"recorded {', '.join(running)} in {time.perf_counter() - start:.0f} s", flush=True)
+        return {dtype: json.loads(path.read_text()) for dtype, path in paths.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--md", type=Path, help="write the markdown tables here")
-    parser.add_argument("--variants", type=Path, help="keep the recorded variants in this folder")
+    parser.add_argument("--variants", type=Path, help="keep the recorded variants in this folder (DTYPE.json)")
     parser.add_argument("--reuse", action="store_true", help="compile the variants kept in --variants")
     parser.add_argument("--num-warps", type=int, help="compile every variant with this many warps instead "
                         "(to compare with the launchers' choice)")
@@ -205,11 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         args.record.write_text(json.dumps(record(args.dtype, args.head_size)))
         return 0
     runs, tables = [], []
-    for dtype in args.dtype.split(","):
-        keep = args.variants / f"{dtype}.json" if args.variants else None
-        if keep is not None:
-            keep.parent.mkdir(parents=True, exist_ok=True)
-        variants = recorded_variants(dtype, args.head_size, keep, args.reuse)
+    recorded = record_all(args.dtype.split(","), args.head_size, args.variants, args.reuse)
+    for dtype, variants in recorded.items():
         if args.num_warps:
             for variant in variants:
                 variant["options"]["num_warps"] = args.num_warps
