@@ -144,7 +144,9 @@ GPU_VLLM  := vllm==0.33.0
 # Requirements of the vLLM wheel installed without their version bounds because the package index here
 # cannot satisfy them: vllm 0.33.0 asks for certifi>=2026.10.19, the newest there is 2026.10.18.
 GPU_RELAX := certifi
-GPU_STAMP := $(GPU_VENV)/.install-$(shell echo "$(GPU_VLLM) $(GPU_RELAX)" | sha256sum | cut -c1-16)
+# Ray for vLLM's Ray executor, which the host contract checks (vLLM's ray_executor_v2 does not import without it).
+GPU_EXTRA := pytest ray==2.60.0
+GPU_STAMP := $(GPU_VENV)/.install-$(shell echo "$(GPU_VLLM) $(GPU_RELAX) $(GPU_EXTRA)" | sha256sum | cut -c1-16)
 
 define GPU_REQUIREMENTS_PY
 import re, sys, zipfile
@@ -162,7 +164,7 @@ for line in wheel.read(metadata).decode().splitlines():
 endef
 export GPU_REQUIREMENTS_PY
 
-.PHONY: gpu-install gpu-contract gpu-clean
+.PHONY: gpu-install gpu-contract gpu-build gpu-ext gpu-triton gpu-clean
 
 gpu-install: $(GPU_STAMP)
 
@@ -171,7 +173,7 @@ $(GPU_STAMP):
 	rm -rf $(GPU_VENV)/wheel
 	$(GPU_PY) -m pip download --no-deps -d $(GPU_VENV)/wheel $(GPU_VLLM)
 	$(GPU_PY) -c "$$GPU_REQUIREMENTS_PY" $(GPU_VENV)/wheel/vllm-*.whl $(GPU_RELAX) > $(GPU_VENV)/requirements.txt
-	$(GPU_PY) -m pip install -r $(GPU_VENV)/requirements.txt pytest
+	$(GPU_PY) -m pip install -r $(GPU_VENV)/requirements.txt $(GPU_EXTRA)
 	$(GPU_PY) -m pip install --no-deps $(GPU_VENV)/wheel/vllm-*.whl
 	$(GPU_PY) -m pip install --no-deps -e .
 	@rm -f $(GPU_VENV)/.install-*
@@ -180,6 +182,21 @@ $(GPU_STAMP):
 # VLLM_TARGET_DEVICE (exported above for the CPU build) is unset: the CUDA build picks its own platform.
 gpu-contract: $(GPU_STAMP)
 	env -u VLLM_TARGET_DEVICE $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_host_contract.py tests/test_cli_flags.py
+
+# `make gpu-build`: what a GPU build needs, checked without a GPU (CI). gpu-ext compiles the CUDA extension for
+# sm_80 and sm_90 with nvcc and the loader's own flags against the GPU build's torch headers (with an arch list
+# nvcc 13 rejects in the environment, which the explicit flags must override); gpu-triton compiles every Triton
+# kernel variant a server launches for sm_90 and reports registers, stack and spills (build/triton_aot.md).
+gpu-build: gpu-ext gpu-triton
+
+gpu-ext: $(GPU_STAMP)
+	env -u VLLM_TARGET_DEVICE TORCH_CUDA_ARCH_LIST="7.0;8.0;9.0" $(GPU_PY) -m vllm_evict.csrc --arch 8.0 --arch 9.0 \
+		--build-dir build/csrc
+
+gpu-triton: $(GPU_STAMP)
+	@mkdir -p build
+	env -u VLLM_TARGET_DEVICE $(GPU_PY) benchmarks/triton_aot.py --arch 90 --json build/triton_aot.json \
+		--md build/triton_aot.md
 
 gpu-clean:
 	rm -rf $(GPU_VENV)

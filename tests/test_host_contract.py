@@ -924,6 +924,8 @@ def _cases() -> list[Any]:
         elif scope == "gpu":
             marks.append(pytest.mark.skipif(CPU_BUILD, reason="a CUDA backend: checked on the CUDA build of vLLM "
                                                               "(make gpu-contract)"))
+        elif scope == "ray":  # vLLM's Ray executor module does not import without ray (an optional extra)
+            marks.append(pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"))
         cases.append(pytest.param(check, id=case_id, marks=marks))
 
     add("installed-vllm-version", check_version_pin)
@@ -1397,7 +1399,7 @@ def _cases() -> list[Any]:
         "vllm.v1.engine.core.EngineCoreProc.run_engine_core", r"if data_parallel and vllm_config\.model_config\.is_moe",
         "dense data-parallel ranks are no longer independent engine cores (no lockstep dummy steps)"))
     add("Platform.ray_device_key", expect_attr("vllm.platforms.interface.Platform.ray_device_key"))
-    add("RayExecutorV2", expect_attr("vllm.v1.executor.ray_executor_v2.RayExecutorV2"))
+    add("RayExecutorV2", expect_attr("vllm.v1.executor.ray_executor_v2.RayExecutorV2"), scope="ray")
     return cases
 
 

@@ -88,7 +88,7 @@ def test_each_window_read_sees_exactly_its_queries(prompt_len, replayed, generat
     assert not wrong, f"windows read with the wrong queries (end, expected, recorded): {wrong[:3]}"
 
 
-@pytest.mark.parametrize("prompt_len,schedule,chunk", itertools.product((1, 6, 11), ("chunked", "oneshot"), (1, 4)))
+@pytest.mark.parametrize("prompt_len,schedule,chunk", list(itertools.product((1, 6, 11), ("chunked", "oneshot"), (1, 4))))
 def test_a_policy_reading_its_window_at_the_prompt_end(prompt_len, schedule, chunk):
     # AhaKV: the prompt's last queries are read at its end whether or not it evicts there; decode evictions
     # read no window, so nothing is recorded while decoding.

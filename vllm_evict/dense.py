@@ -40,8 +40,13 @@ def valid_slots(lengths: Tensor, n: int) -> Tensor:
 
 
 def as_rows(value: Tensor | int | float, rows: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A per-row quantity as a [R] tensor (a Python number is broadcast)."""
-    return torch.as_tensor(value, dtype=dtype, device=device).expand(rows)
+    """A per-row quantity as a [R] tensor (a Python number is broadcast).
+
+    A number is filled in on the device (``torch.full``): ``torch.as_tensor(number, device=...)`` would
+    copy it from host memory and wait for the stream on CUDA."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype).expand(rows)
+    return torch.full((rows,), value, dtype=dtype, device=device)
 
 
 # ---- attention mass --------------------------------------------------------------------------------
@@ -78,7 +83,9 @@ def row_gains(gain: Tensor | float | None, rows: int, width: int, device: torch.
     """The logit gain of every window entry, fp32 [R, W], from None (1), a number, [R] or [R, W]."""
     if gain is None:
         return torch.ones(rows, width, device=device)
-    g = torch.as_tensor(gain, dtype=torch.float32, device=device)
+    if not isinstance(gain, Tensor):
+        return torch.full((rows, width), float(gain), device=device)
+    g = gain.to(device=device, dtype=torch.float32)
     if g.dim() == 0:
         return g.expand(rows, width)
     if g.dim() == 1:
@@ -91,7 +98,7 @@ def latest_queries(query_positions: Tensor, seq_len: Tensor, count: Tensor | int
 
     The window holds queries in any order (a ring buffer); the last ``count`` are those at logical
     positions >= seq_len - count."""
-    threshold = seq_len.view(-1, 1) - torch.as_tensor(count, device=seq_len.device).view(-1, 1)
+    threshold = seq_len.view(-1, 1) - (count.view(-1, 1) if isinstance(count, Tensor) else count)
     return torch.where(query_positions >= threshold, query_positions,
                        torch.full_like(query_positions, EMPTY_QUERY))
 
@@ -180,7 +187,7 @@ def recent_mask(positions: Tensor, valid: Tensor, count: Tensor | int) -> Tensor
     """Bool [R, H, N]: candidates within the last ``count`` logical positions of their row (per row: an
     int or [R]): position > newest - count."""
     newest = positions.masked_fill(~valid, -1).amax(dim=-1, keepdim=True)
-    threshold = newest - torch.as_tensor(count, device=positions.device).view(-1, 1, 1)
+    threshold = newest - (count.view(-1, 1, 1) if isinstance(count, Tensor) else count)
     return valid & (positions > threshold)
 
 
@@ -287,11 +294,12 @@ def uniform_hash(*keys: Tensor | int) -> Tensor:
 
     Counter-based: the draw is a hash of the keys, so it is the same on every device, for any batch
     composition and any slot order, with no generator state."""
-    shape = torch.broadcast_shapes(*(torch.as_tensor(k).shape for k in keys))
+    shape = torch.broadcast_shapes(*(k.shape if isinstance(k, Tensor) else () for k in keys))
     device = next((k.device for k in keys if isinstance(k, Tensor)), torch.device("cpu"))
     h = torch.zeros(shape, dtype=torch.int64, device=device)
     for key in keys:
-        key = torch.as_tensor(key, dtype=torch.int64, device=device)
+        # A Python int stays a scalar operand (a device tensor made from it would be a blocking copy).
+        key = key.to(device=device, dtype=torch.int64) if isinstance(key, Tensor) else int(key)
         for part in (key & _M32, (key >> 32) & _M32):  # 64-bit keys: both halves
             h = _mix32(h ^ part)
     # The top 23 bits: k + 0.5 then needs 24 significant bits, exact in fp32, so every draw is < 1. (With

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_slots, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
 from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, EvictionInputs, Phase, Policy
+from vllm_evict.staging import to_device as pinned_to_device
 
 POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
 
@@ -180,36 +182,43 @@ class WindowStep:
 def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
                 computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
                 ring_rows: np.ndarray | None, token_starts: np.ndarray | None,
-                window: WindowStep | None = None) -> Group:
+                window: WindowStep | None = None, to_device: Callable[..., list[Tensor]] | None = None) -> Group:
     """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
 
     block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
     tokens before it; scheduled: this step's tokens; keep: tokens kept per head, or None (no eviction);
     ring_rows: each row's ring row (None: the rows keep no queries); token_starts: each row's first
     token in the packed token axis (needed to read this step's queries); window: the rows' accumulated
-    observation window (None: none, or kept as queries in the ring)."""
+    observation window (None: none, or kept as queries in the ring); to_device: the engine's staging
+    (``vllm_evict.staging.Staging.to_device``; None: pinned blocks of PyTorch's host allocator)."""
     device = block_table.device
+    if to_device is None:
+        to_device = partial(pinned_to_device, device=device)
     width = int(lengths.max())
     rows = len(lengths)
-    zeros = np.zeros(rows, dtype=np.int64)
-    host = np.stack([lengths, computed + scheduled, scheduled, seed,
-                     keep if keep is not None else zeros, ring_rows if ring_rows is not None else zeros,
-                     window.count if window is not None else zeros]).astype(np.int64)
-    packed = torch.from_numpy(host).to(device, non_blocking=True)
-    lengths_t, seq_len, num_new, seed_t, budget, ring_t, count_t = packed.unbind(0)
-    step_tokens = step_positions = None
+    # One [7, R'] block, R' even: every row of it starts 16 bytes aligned, whatever R is, so the kernels
+    # reading these per-row numbers see the same pointer alignment on every step (no Triton recompile).
+    host = np.zeros((7, rows + rows % 2), dtype=np.int64)
+    for i, column in enumerate((lengths, computed + scheduled, scheduled, seed, keep, ring_rows,
+                                window.count if window is not None else None)):
+        if column is not None:
+            host[i, :rows] = column
+    arrays = {"host": host}
     # This step's queries, for the policies that read them every step (H2O; AhaKV's decode, whose window
     # is otherwise in the ring with them).
     reads_step = policy.query_window is None or (policy.needs_every_step and ring_rows is None)
     if reads_step and token_starts is not None:
-        step_tokens, step_positions = _token_index(token_starts, scheduled, computed, device)
-    window_tokens = window_positions = window_gain = None
+        arrays["step"] = np.stack(step_token_index(token_starts, scheduled, computed))
     if window is not None and token_starts is not None and window.recorded.any():
         skipped = scheduled - window.recorded  # the window takes each row's last ``recorded`` tokens
-        window_tokens, window_positions = _token_index(token_starts + skipped, window.recorded, computed + skipped,
-                                                       device)
-        if window.gain is not None:
-            window_gain = torch.from_numpy(window.gain.astype(np.float32)).to(device, non_blocking=True)
+        arrays["window"] = np.stack(step_token_index(token_starts + skipped, window.recorded, computed + skipped))
+        if window.gain is not None:  # the staging copies int64: the float32 gains travel as their bits
+            arrays["gain"] = window.gain.astype(np.float32).view(np.int32).astype(np.int64)
+    copied = dict(zip(arrays, to_device(*arrays.values())))  # one host-to-device copy for all of them
+    lengths_t, seq_len, num_new, seed_t, budget, ring_t, count_t = copied["host"][:, :rows].unbind(0)
+    step_tokens, step_positions = copied["step"].unbind(0) if "step" in copied else (None, None)
+    window_tokens, window_positions = copied["window"].unbind(0) if "window" in copied else (None, None)
+    window_gain = copied["gain"].to(torch.int32).view(torch.float32) if "gain" in copied else None
     pages, offsets = slot_addresses(block_table, width, page_size)
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,
@@ -221,14 +230,6 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                  window_count=count_t if window is not None else None, window_tokens=window_tokens,
                  window_positions=window_positions, window_gain=window_gain,
                  window_reset=window is not None and window.reset)
-
-
-def _token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarray,
-                 device: torch.device) -> tuple[Tensor, Tensor]:
-    """``step_token_index`` on the device (one copy)."""
-    index, positions = step_token_index(starts, counts, computed)
-    both = torch.from_numpy(np.stack([index, positions]).astype(np.int64)).to(device, non_blocking=True)
-    return both[0], both[1]
 
 
 # ---- record phase ---------------------------------------------------------------------------------

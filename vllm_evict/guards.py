@@ -193,6 +193,38 @@ def check_model_supported(vllm_config: Any) -> None:
     check_data_parallel_supported(vllm_config)
 
 
+def o_proj_unavailable(vllm_config: Any) -> str | None:
+    """Why CriticalKV cannot use this model's output projection, or None when it can.
+
+    CriticalKV projects values through each layer's ``o_proj`` weight. A quantized checkpoint stores it
+    in the quantization's own layout and scales (fp8 transposed with per-tensor or block scales, packed
+    integers, ...), which cannot be read as a matrix without that method's dequantisation; reading the raw
+    tensor would select the wrong tokens silently, so such models refuse CriticalKV instead."""
+    quantization = getattr(getattr(vllm_config, "model_config", None), "quantization", None)
+    if quantization:
+        return (f"criticalkv reads each layer's output projection weights in full precision, but this model's "
+                f"weights are quantized ({quantization}); choose a method without criticalkv, e.g. snapkv")
+    return None
+
+
+def check_policy_supported(vllm_config: Any, config: Any) -> None:
+    """The server's ``ServerConfig`` (its method and the ``request_policies`` it reserves for requests),
+    an ``EvictionConfig`` or None: ValueError with the reason when this model cannot run one of them.
+    Requests can only choose methods the server reserved, so this start-up check covers them too."""
+    from vllm_evict.config import ServerConfig, build_policy, parse_spec
+
+    if config is None:
+        return
+    if isinstance(config, ServerConfig):
+        needs = [config.eviction.build_policy().needs_o_proj]
+        needs += [build_policy(*parse_spec(spec), {}).needs_o_proj for spec in config.request_policies]
+    else:
+        needs = [config.build_policy().needs_o_proj]
+    reason = o_proj_unavailable(vllm_config) if any(needs) else None
+    if reason:
+        raise ValueError(reason)
+
+
 def check_data_parallel_supported(vllm_config: Any) -> None:
     """Data parallelism runs one engine core per rank, each with its own EvictScheduler, workers and plan;
     for dense models vLLM runs those cores independently, which eviction needs. MoE ranks are kept in

@@ -98,9 +98,31 @@ def _triton_ok(device: torch.device) -> bool:
     return triton_available() and (device.type == "cuda" or interpreting())
 
 
+_forced: str | None = None  # see ``use_backend``
+
+
+class use_backend:
+    """``with ops.use_backend("triton"): ...`` runs every operation that is given no explicit backend on
+    ``backend`` (tests run the engine's own calls through the Triton interpreter on CPU this way)."""
+
+    def __init__(self, backend: str) -> None:
+        _check_backend(backend)
+        self.backend = backend
+
+    def __enter__(self) -> None:
+        global _forced
+        self._previous, _forced = _forced, self.backend
+
+    def __exit__(self, *exc: Any) -> None:
+        global _forced
+        _forced = self._previous
+
+
 def select_backend(op: str, device: torch.device, backend: str | None = None, cuda_ok: bool = True) -> str:
     """The backend ``op`` runs on for tensors on ``device``. ``cuda_ok``: these arguments are within
     what the CUDA kernel supports."""
+    if backend is None and _forced is not None:
+        backend = _forced if (_forced != "cuda" or op in CUDA_OPS and cuda_ok) else "triton"
     if backend is not None:
         _check_backend(backend)
         if backend == "triton" and not _triton_ok(device):
@@ -200,13 +222,16 @@ def value_norms(values: Tensor, o_proj: Tensor, *, backend: str | None = None) -
     return dense.value_norms(values, o_proj)
 
 
-def describe() -> dict[str, str]:
-    """Which backend each op would use on a CUDA device now (for logs and the benchmark)."""
-    device = torch.device("cuda")
+def describe(device: torch.device | str = "cuda") -> dict[str, str]:
+    """The backend each operation uses for tensors on ``device`` now (the start-up log, the benchmark);
+    window_mass also names the one for per-query-head masses, which the CUDA kernel does not compute."""
+    device = torch.device(device)
     out = {}
     for op in OPS:
         try:
             out[op] = select_backend(op, device)
+            if op == "window_mass" and out[op] == "cuda":
+                out[op] += f" (per query head: {select_backend(op, device, cuda_ok=False)})"
         except Exception as exc:  # pragma: no cover - diagnostics only
             warnings.warn(f"{op}: {exc}")
             out[op] = "?"

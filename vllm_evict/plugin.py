@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_evict.config import EvictionConfig, ServerConfig
 from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, check_engine_supported,
-                               check_model_supported, configure_engine_args)
+                               check_model_supported, check_policy_supported, configure_engine_args)
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
@@ -119,6 +119,7 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         vllm_config = original(self, *args, **kwargs)
         check_engine_supported(vllm_config)
         check_model_supported(vllm_config)
+        check_policy_supported(vllm_config, config)
         logger.info("vllm_evict: KV eviction on: %s", config)
         return vllm_config
 

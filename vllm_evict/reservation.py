@@ -35,16 +35,26 @@ def _head_states(policy: Policy) -> tuple[str, ...]:
     return tuple(getattr(policy, "head_state_names", ()) or ())
 
 
-def _spec_policy(spec: str) -> Policy:
+def _spec_policies(spec: str) -> list[Policy]:
+    """A method with its default options and with each option set under which it keeps other states
+    (``Policy.state_variants`` of the method and, for a meta score, of its base)."""
     meta, base = parse_spec(spec)
-    return build_policy(meta, base, {})
+    default = build_policy(meta, base, {})
+    variants = [*type(default).state_variants, *(type(default.base).state_variants if meta else ())]
+    policies = [default]
+    for options in variants:
+        try:
+            policies.append(build_policy(meta, base, options))
+        except ValueError:  # an option this combination refuses (e.g. caote_mode 'head' over knorm)
+            continue
+    return policies
 
 
 def server_reservation(server: ServerConfig) -> Reservation:
-    """The states, window and weights a server reserves: those of its own method and of every method in
-    its ``request_policies`` (state needs do not depend on a method's options)."""
+    """The states, window and weights a server reserves: those of its own method as configured, and of
+    every method in its ``request_policies`` with any of its options (``Policy.state_variants``)."""
     policies = [server.eviction.build_policy(window_cap=server.max_window)]
-    policies += [_spec_policy(spec) for spec in server.request_policies]
+    policies += [p for spec in server.request_policies for p in _spec_policies(spec)]
     return Reservation(
         states=frozenset(name for p in policies for name in p.state_names),
         head_states=frozenset(name for p in policies for name in _head_states(p)),

@@ -103,4 +103,4 @@ def assert_worker_rows_clean(engine: Engine, pending_finish: bool = True) -> Non
 def cached_pages(runner: Any, request_id: str, tokens: int) -> Any:
     """The pages holding a request's first ``tokens`` cached tokens, [pages] on the runner's device."""
     pages = -(-tokens // runner.evict_buffers.geometry.page_size)
-    return runner.evict_view.page_table([request_id], pages)[0].long()
+    return runner.evict_view.page_table([request_id], pages, runner.evict_builder.staging.to_device)[0].long()

@@ -23,7 +23,8 @@ def hooked_forwards(engine):
 
 
 def count_layer_steps(engine, prompt, params):
-    """(eviction-hook calls, steps) while ``engine`` runs one request."""
+    """(eviction-hook calls, steps with per-layer work) while ``engine`` runs one request (a decode step
+    far from any eviction has no work per layer: the hook does not call the layer's step)."""
     runner = engine.runner
     calls, steps = [0], [0]
     original_layer, original_build = runner._evict_layer, runner.evict_builder.build
@@ -33,8 +34,9 @@ def count_layer_steps(engine, prompt, params):
         return original_layer(*args)
 
     def build(*args):
-        steps[0] += 1
-        return original_build(*args)
+        built = original_build(*args)
+        steps[0] += built is not None and built.layer_work
+        return built
 
     runner._evict_layer, runner.evict_builder.build = layer, build
     try:

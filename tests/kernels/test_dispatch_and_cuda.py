@@ -110,13 +110,16 @@ def _nvcc() -> str | None:
 
 
 def test_cuda_kernels_compile_with_nvcc(tmp_path):
-    """evict_kernels.cu includes no torch header, so plain nvcc compiles it to an object file."""
+    """evict_kernels.cu includes no torch header, so plain nvcc compiles it to an object file, with the
+    loader's own nvcc flags (``csrc.build_flags``) for sm_80 and sm_90. (The whole extension, binding
+    included, is built against the GPU build's torch by ``make gpu-ext``.)"""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
     obj = tmp_path / "evict_kernels.o"
-    cmd = [nvcc, "-c", str(csrc.KERNEL_SOURCE), "-o", str(obj), "-std=c++17", "-O2",
-           "-gencode", "arch=compute_90,code=sm_90", "-I", str(csrc.SOURCE_DIR), "-Xcompiler", "-Wall"]
+    flags = csrc.build_flags(["8.0", "9.0"])["extra_cuda_cflags"]
+    cmd = [nvcc, "-c", str(csrc.KERNEL_SOURCE), "-o", str(obj), "-std=c++17", *flags, "-I", str(csrc.SOURCE_DIR),
+           "-Xcompiler", "-Wall"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert obj.stat().st_size > 0
@@ -153,3 +156,35 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     cmd += [f"-I{p}" for p in includes]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_build_flags_name_the_architectures():
+    flags = csrc.build_flags(["9.0", "8.0", "90"])
+    assert flags["extra_cflags"] == ["-O3"]
+    assert flags["extra_cuda_cflags"] == ["-O3", "--use_fast_math", "-gencode=arch=compute_80,code=sm_80",
+                                          "-gencode=arch=compute_90,code=sm_90"]
+    with pytest.raises(ValueError, match="no CUDA architecture"):
+        csrc.build_flags([])
+
+
+def test_explicit_architectures_override_torch_cuda_arch_list(monkeypatch):
+    """torch's extension builder adds arch flags from TORCH_CUDA_ARCH_LIST only when the given flags name
+    none: a list holding 7.0, which nvcc 13 rejects, cannot reach the build."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0;8.0;9.0")
+    assert cpp_extension._get_cuda_arch_flags(csrc.build_flags(["9.0"])["extra_cuda_cflags"]) == []
+
+
+def test_architectures_nvcc_cannot_build_are_set_aside():
+    assert csrc.supported_archs(["7.0", "9.0", "8.6"], (75, 80, 86, 90, 100)) == (["8.6", "9.0"], ["7.0"])
+    assert csrc.supported_archs([], (90,)) == ([], [])
+
+
+def test_the_installed_nvcc_lists_its_architectures():
+    if _nvcc() is None:
+        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    archs = csrc.nvcc_archs(_nvcc())
+    assert 90 in archs and 80 in archs, archs
+    home = csrc.cuda_home()
+    assert home is not None and (Path(home) / "include" / "cuda_runtime.h").exists(), home

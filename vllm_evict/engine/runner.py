@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -37,6 +38,7 @@ from vllm_evict.engine.rows import PolicyTable, RowTable
 from vllm_evict.engine.runner_view import RunnerView
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
 from vllm_evict.engine.step_timer import StepTimer
+from vllm_evict.engine.warmup import WarmupGeometry, warm_up_server
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
@@ -152,11 +154,31 @@ class EvictRunnerMixin:
             server = _server_config(self.evict_server)
             self._on_new_policy(server, self.evict_policies.policies[self.evict_policies.index_of(server)])
             self._load_reserved_o_proj()
-        from vllm_evict import csrc
+        from vllm_evict import csrc, ops
 
         # Built (or found missing) now, not inside the first eviction's forward on every rank at once.
         if csrc.load_extension() is None and geometry.device.type == "cuda":
-            logger.info("vllm_evict: CUDA kernels unavailable (%s); using Triton", csrc.load_error())
+            logger.warning("vllm_evict: the CUDA eviction kernels are unavailable (%s); their operations run "
+                           "on Triton", csrc.load_error())
+        logger.info("vllm_evict: kernels per operation: %s",
+                    ", ".join(f"{op}={backend}" for op, backend in ops.describe(geometry.device).items()))
+        if geometry.device.type == "cuda" and os.environ.get("VLLM_EVICT_WARMUP", "1") != "0":
+            self.evict_warm_up()
+
+    def evict_warm_up(self) -> None:
+        """Compile every eviction kernel variant any request can need, now (engine/warmup.py)."""
+        cache, name = self.evict_layers[0], self.evict_layer_names[0]
+        geometry = WarmupGeometry(k=cache.k, v=cache.v, query_heads=self.evict_buffers.geometry.query_heads,
+                                  scale=cache.scale)
+
+        def o_proj() -> Tensor | None:
+            try:
+                return self._o_proj_weight(name, self.evict_buffers.geometry.dtype)
+            except ValueError as err:  # e.g. an fp8 checkpoint: CriticalKV is refused on it
+                logger.info("vllm_evict: no CriticalKV kernels to compile: %s", err)
+                return None
+
+        warm_up_server(geometry, o_proj)
 
     def _load_reserved_o_proj(self) -> None:
         """Every layer's output projection, at start-up, when a method the server reserves needs it
@@ -287,7 +309,7 @@ class EvictRunnerMixin:
             raise KeyError(f"the worker holds no row for request {request_id}")
         length = int(self.evict_rows.cached[row])
         pages = max(1, -(-length // self.evict_buffers.geometry.page_size))
-        table = view.page_table([request_id], pages)
+        table = view.page_table([request_id], pages, self.evict_builder.staging.to_device)
         return [gather_tokens(cache.positions, table, length)[0].long().clone() for cache in self.evict_layers]
 
     # ---- per layer ----------------------------------------------------------------------------
@@ -296,7 +318,8 @@ class EvictRunnerMixin:
                                attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             step = self.evict_step
-            if step is not None and attn_metadata is not None:
+            # Timed (two CUDA events) only when the layer has work: most decode steps have none.
+            if step is not None and attn_metadata is not None and step.layer_work:
                 with self.evict_timer:
                     self._evict_layer(index, layer, step, query, key, value)
             return result
@@ -324,10 +347,27 @@ class EvictRunnerMixin:
         except AttributeError as err:
             raise ValueError(f"this policy needs the output projection of {layer_name}, but the model has no "
                              f"{prefix}.o_proj; choose a policy without criticalkv") from err
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, Tensor) and weight.dim() == 2 and weight.numel() > 0 and weight.is_floating_point():
-            return weight
-        return _weight_from_linear(module, dtype)
+        return o_proj_matrix(module, f"{prefix}.o_proj", dtype)
+
+
+def o_proj_matrix(module: Any, name: str, dtype: torch.dtype) -> Tensor:
+    """The [hidden, H_q * d] matrix of an unquantized linear layer on this rank; ValueError for anything
+    else. A quantized layer (fp8 stored transposed with its scales, packed integers, ...) is refused:
+    its raw ``weight`` is not the matrix, and using it would select the wrong tokens silently (the
+    front end refuses such models for CriticalKV first: ``guards.o_proj_unavailable``)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    method = getattr(module, "quant_method", None)
+    weight = getattr(module, "weight", None)
+    if method is not None and not isinstance(method, UnquantizedLinearMethod):
+        raise ValueError(f"criticalkv needs the output projection in full precision, but {name} is quantized "
+                         f"({type(method).__name__}); choose a method without criticalkv")
+    if isinstance(weight, Tensor) and weight.dim() == 2 and weight.numel() > 0:
+        if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"criticalkv needs the output projection in fp16/bf16/fp32, but {name} holds "
+                             f"{weight.dtype} weights; choose a method without criticalkv")
+        return weight
+    return _weight_from_linear(module, dtype)
 
 
 def _server_config(mapping: dict[str, Any]) -> Any:

@@ -23,6 +23,7 @@ from torch import Tensor
 from vllm_evict.engine.plan import PLAN_ATTR
 from vllm_evict.engine.rows import RowTable, install_row_hooks
 from vllm_evict.engine.runner import EvictRunnerMixin
+from vllm_evict.engine.runner_view import ToDevice
 
 
 class V1View:
@@ -72,12 +73,11 @@ class V1View:
     def slot_mapping(self, num_tokens: int) -> Tensor:
         return self.batch.block_table[0].slot_mapping.gpu[:num_tokens]
 
-    def block_table(self, rows: np.ndarray, pages: int) -> Tensor:
-        table = self.batch.block_table[0].block_table.gpu
-        index = torch.from_numpy(rows.astype(np.int64)).to(table.device, non_blocking=True)
-        return table[:, :pages].index_select(0, index)
+    def block_table(self, rows: np.ndarray, pages: int, to_device: ToDevice) -> Tensor:
+        (index,) = to_device(rows)
+        return self.batch.block_table[0].block_table.gpu[:, :pages].index_select(0, index)
 
-    def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int) -> None:
+    def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int, to_device: ToDevice) -> None:
         runner, num_reqs = self.runner, self.batch.num_reqs
         runner.seq_lens[:num_reqs] -= shift.to(runner.seq_lens.dtype)
         runner.optimistic_seq_lens_cpu[:num_reqs] -= torch.from_numpy(evicted).to(runner.optimistic_seq_lens_cpu.dtype)
@@ -97,12 +97,12 @@ class V1View:
     def prompt_len(self, request_id: str) -> int:
         return len(self.runner.requests[request_id].prompt_token_ids or ())
 
-    def page_table(self, request_ids: Sequence[str], width: int) -> Tensor:
+    def page_table(self, request_ids: Sequence[str], width: int, to_device: ToDevice) -> Tensor:
         table = np.zeros((len(request_ids), width), dtype=np.int64)
         for i, request_id in enumerate(request_ids):
             pages = self.runner.requests[request_id].block_ids[0][:width]
             table[i, :len(pages)] = pages
-        return torch.from_numpy(table).to(self.runner.device)
+        return to_device(table)[0].to(torch.int32)
 
     def truncate_pages(self, request_id: str, row: int, pages: int) -> None:
         request = self.runner.requests.get(request_id)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from vllm_evict.engine.rows import RowTable
 from vllm_evict.engine.runner import HOOK_ATTR, EvictRunnerMixin
+from vllm_evict.engine.runner_view import ToDevice
 
 
 class V2View:
@@ -91,16 +92,14 @@ class V2View:
     def slot_mapping(self, num_tokens: int) -> Tensor:
         return self.runner.block_tables.slot_mappings[0, :num_tokens]
 
-    def block_table(self, rows: np.ndarray, pages: int) -> Tensor:
-        table = self.runner.block_tables.block_tables[0].gpu
-        index = torch.from_numpy(rows.astype(np.int64)).to(table.device, non_blocking=True)
-        return table[:, :pages].index_select(0, index)
+    def block_table(self, rows: np.ndarray, pages: int, to_device: ToDevice) -> Tensor:
+        (index,) = to_device(rows)
+        return self.runner.block_tables.block_tables[0].gpu[:, :pages].index_select(0, index)
 
-    def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int) -> None:
+    def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int, to_device: ToDevice) -> None:
         batch, num_reqs = self.batch, self.batch.num_reqs
-        per_token = np.repeat(evicted, batch.num_scheduled_tokens[:num_reqs])
-        token_shift = torch.from_numpy(per_token).to(batch.positions.device, non_blocking=True)
-        physical = batch.positions[:num_tokens] - token_shift
+        (token_shift,) = to_device(np.repeat(evicted, batch.num_scheduled_tokens[:num_reqs]))
+        physical = batch.positions[:num_tokens] - token_shift.to(batch.positions.dtype)
         # Into the same buffer prepare_attn returned (and the forward context will read).
         self.runner.block_tables.compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, physical,
                                                        num_tokens_padded=batch.num_tokens_after_padding)
@@ -122,14 +121,15 @@ class V2View:
     def prompt_len(self, request_id: str) -> int:
         return int(self.runner.req_states.prompt_len.np[self.runner.req_states.req_id_to_index[request_id]])
 
-    def page_table(self, request_ids: Sequence[str], width: int) -> Tensor:
+    def page_table(self, request_ids: Sequence[str], width: int, to_device: ToDevice) -> Tensor:
         tables = self.runner.block_tables
         index = self.runner.req_states.req_id_to_index
         slots = np.array([index[request_id] for request_id in request_ids], dtype=np.int64)
         held = tables.num_blocks.np[0, slots].astype(np.int64)
-        table = self.block_table(slots, width)
-        beyond = torch.from_numpy(np.arange(width)[None, :] >= held[:, None]).to(table.device, non_blocking=True)
-        return table.masked_fill(beyond, 0)  # a row's entries past its length are left from earlier requests
+        table = self.block_table(slots, width, to_device)
+        beyond = to_device(np.arange(width)[None, :] >= held[:, None])[0].bool()
+        # A row's entries past its length are left from earlier requests.
+        return table.masked_fill(beyond, 0).to(torch.int32)
 
     def truncate_pages(self, request_id: str, row: int, pages: int) -> None:
         held = self.runner.block_tables.num_blocks.np

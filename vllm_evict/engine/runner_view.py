@@ -16,10 +16,15 @@ device.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 from torch import Tensor
+
+# The worker's host-to-device copy of per-step int64 arrays (``vllm_evict.staging.Staging.to_device``:
+# pinned memory on CUDA, so no copy makes the host wait). Every view method that copies host data to the
+# device is handed it.
+ToDevice = Callable[..., list[Tensor]]
 
 
 class RunnerView(Protocol):
@@ -61,10 +66,10 @@ class RunnerView(Protocol):
     def slot_mapping(self, num_tokens: int) -> Tensor:
         """The cache slot each token is written to (device; physical once ``make_lengths_physical`` ran)."""
 
-    def block_table(self, rows: np.ndarray, pages: int) -> Tensor:
+    def block_table(self, rows: np.ndarray, pages: int, to_device: ToDevice) -> Tensor:
         """The first ``pages`` pages of the given table rows [len(rows), pages] (device)."""
 
-    def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int) -> None:
+    def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int, to_device: ToDevice) -> None:
         """Attention reads each row's compacted cache and writes new tokens right after it: subtract
         each batch row's evicted tokens (host ``evicted``, the same on the device as ``shift``) from the
         sequence lengths attention sees and from the slot positions; RoPE positions stay logical."""
@@ -78,8 +83,9 @@ class RunnerView(Protocol):
 
     def prompt_len(self, request_id: str) -> int: ...
 
-    def page_table(self, request_ids: Sequence[str], width: int) -> Tensor:
-        """The first ``width`` pages of each request [len(request_ids), width] (device, 0 past the end)."""
+    def page_table(self, request_ids: Sequence[str], width: int, to_device: ToDevice) -> Tensor:
+        """The first ``width`` pages of each request [len(request_ids), width] (device int32 like vLLM's
+        block tables, so the kernels see one dtype; 0 past the end)."""
 
     def truncate_pages(self, request_id: str, row: int, pages: int) -> None:
         """Keep only the first ``pages`` pages of the request (the scheduler freed the rest); the next

@@ -23,6 +23,7 @@ from vllm_evict.evict_step import (
 )
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import window_end
+from vllm_evict.staging import Staging
 
 PHASES = (Phase.PREFILL, Phase.PROMPT_END, Phase.DECODE)
 
@@ -83,6 +84,7 @@ class StepBuilder:
         self.page_size = buffers.geometry.page_size
         # Persistent per-row buffer of evicted counts on the device, refilled (not reallocated) per step.
         self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
+        self.staging = Staging(device)  # pinned host memory for the step's host-to-device copies
 
     # ---- physical lengths ------------------------------------------------------------------------
     def make_lengths_physical(self, view: RunnerView, num_reqs: int, num_tokens: int) -> None:
@@ -93,14 +95,15 @@ class StepBuilder:
         if not evicted.any():
             return
         shift = self.evicted_device[:num_reqs]
-        shift.copy_(torch.from_numpy(evicted), non_blocking=True)
-        view.make_lengths_physical(evicted, shift, num_tokens)
+        self.staging.copy_into(shift, evicted)
+        view.make_lengths_physical(evicted, shift, num_tokens, self.staging.to_device)
 
     # ---- the step plan -------------------------------------------------------------------------
     def build(self, view: RunnerView, plan: EvictionPlan, num_scheduled: np.ndarray) -> BuiltStep | None:
         num_reqs = view.num_reqs
         table_rows = view.rows
         num_tokens = int(num_scheduled[:num_reqs].sum())
+        self.staging.begin_step()
         self.make_lengths_physical(view, num_reqs, num_tokens)
 
         computed = view.computed
@@ -197,9 +200,10 @@ class StepBuilder:
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
             entries, tokens = ring_entries(token_rows, self.rows.slot[view.rows], view.query_pos(num_tokens),
                                            scheduled, computed, self.buffers.window, recording)
-            ring_index = torch.from_numpy(entries).to(self.device, non_blocking=True)
-            if tokens is not None:
-                ring_tokens = torch.from_numpy(tokens).to(self.device, non_blocking=True)
+            if tokens is None:
+                (ring_index,) = self.staging.to_device(entries)
+            else:
+                ring_index, ring_tokens = self.staging.to_device(entries, tokens)
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=view.positions(num_tokens).to(torch.int32), ring_index=ring_index,
                       ring_tokens=ring_tokens)
@@ -209,14 +213,15 @@ class StepBuilder:
         lengths = cached_after[rows]
         pages = -(-int(lengths.max()) // self.page_size)
         table_rows = view.rows[rows]  # ``rows`` are batch rows
-        table = view.block_table(table_rows, pages)
+        table = view.block_table(table_rows, pages, self.staging.to_device)
         seed = self.rows.policies.configs[int(self.rows.policy[table_rows[0]])].seed
         evicting = bool(keep[rows[0]] >= 0)
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
                            scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
-                           token_starts=view.query_start[rows], window=windows.step(rows, policy))
+                           token_starts=view.query_start[rows], window=windows.step(rows, policy),
+                           to_device=self.staging.to_device)
 
 
 # ---- elastic mode: compression before the forward ------------------------------------------------
@@ -228,6 +233,8 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     last step left it, with the latest queries of its window, and adds no token."""
     rows, layers = runner.evict_rows, runner.evict_layers
     view: RunnerView = runner.evict_view
+    staging = runner.evict_builder.staging
+    staging.begin_step()
     page = runner.evict_buffers.geometry.page_size
     victims = []
     for request_id, keep in plan.compress.items():
@@ -245,7 +252,7 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     for key in sorted({(v[4], v[7]) for v in victims}):
         members = [v for v in victims if (v[4], v[7]) == key]
         width = max(-(-v[3] // page) for v in members)
-        table = view.page_table([v[0] for v in members], width)
+        table = view.page_table([v[0] for v in members], width, staging.to_device)
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
         policy = rows.policies.policies[key[0]]
         groups.append(build_group(
@@ -253,7 +260,7 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
             lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
             seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
             ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
-            token_starts=np.zeros(len(members), dtype=np.int64)))
+            token_starts=np.zeros(len(members), dtype=np.int64), to_device=staging.to_device))
     device = runner.evict_buffers.geometry.device
     nothing = torch.zeros(0, dtype=torch.int64, device=device)
     step = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32), ring_index=None),

@@ -7,10 +7,39 @@ So a launcher costs its kernels and its output allocations, with no copy and no 
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable, Sequence
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+_ALIGNMENT_OPTION = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+
+
+def per_step_jit(ints: Sequence[str] = (), pointers: Sequence[str] = ()) -> Callable[[Any], Any]:
+    """``triton.jit`` for a kernel launched with per-step numbers: ``ints`` (widths, row strides of
+    per-step tensors, counts) are not specialised (Triton would compile a variant per value class: equal
+    to 1, divisible by 16, other), nor is the alignment of ``pointers`` (per-step index tensors), so the
+    variants compiled at start-up (vllm_evict/engine/warmup.py) are all a server ever launches."""
+    options: dict[str, Any] = {"do_not_specialize": list(ints)}
+    if pointers and _ALIGNMENT_OPTION:
+        options["do_not_specialize_on_alignment"] = list(pointers)
+    return triton.jit(**options)
+
+
+def unspecialised(kernel: Any) -> tuple[set[str], set[str]]:
+    """(ints, pointers) a kernel made with ``per_step_jit`` leaves unspecialised (JIT or interpreter)."""
+    options = getattr(kernel, "kwargs", None)
+    if isinstance(options, dict):  # the interpreter keeps the decorator's arguments
+        return set(options.get("do_not_specialize") or ()), set(options.get("do_not_specialize_on_alignment") or ())
+    names = [p.name for p in kernel.params]
+
+    def resolve(items: Any) -> set[str]:
+        return {names[i] if isinstance(i, int) else i for i in items or ()}
+
+    return resolve(kernel.do_not_specialize), resolve(getattr(kernel, "do_not_specialize_on_alignment", ()))
 
 
 @triton.jit
@@ -58,7 +87,25 @@ def dot_precision(*tensors: Tensor) -> str:
     return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
 
 
+_launch_as_on_cuda = False  # see ``launch_as_on_cuda``
+
+
+class launch_as_on_cuda:
+    """Within this block launchers pick the constexprs a CUDA device would get, also for CPU tensors in
+    the Triton interpreter: what ``benchmarks/triton_aot.py`` records to compile every variant ahead of
+    time. The interpreter's results are then meaningless (it multiplies bf16 operands as raw integers)."""
+
+    def __enter__(self) -> None:
+        global _launch_as_on_cuda
+        self._previous, _launch_as_on_cuda = _launch_as_on_cuda, True
+
+    def __exit__(self, *exc: Any) -> None:
+        global _launch_as_on_cuda
+        _launch_as_on_cuda = self._previous
+
+
 def needs_upcast(*tensors: Tensor) -> bool:
     """Whether ``tl.dot`` operands must be cast to fp32 in the kernel: mixed dtypes, or CPU tensors
     (the Triton interpreter multiplies bf16 operands as raw integers)."""
-    return len({t.dtype for t in tensors}) > 1 or any(t.device.type != "cuda" for t in tensors)
+    on_cpu = any(t.device.type != "cuda" for t in tensors) and not _launch_as_on_cuda
+    return len({t.dtype for t in tensors}) > 1 or on_cpu

@@ -23,10 +23,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import check_index, slot_offsets, table_strides, view_strides
+from ._common import check_index, per_step_jit, slot_offsets, table_strides, view_strides
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'keep_s_r', 'keep_s_h', 'b_max'),
+              pointers=('bt_ptr', 'keep_ptr', 'counts_ptr'))
 def _compact_kernel(cache_ptr, bt_ptr, bt_s_r, bt_s_p, keep_ptr, keep_s_r, keep_s_h, keep_s_b, counts_ptr,
                     counts_s, b_max, block_size, s_blk, s_head, s_tok, s_dim, D,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):

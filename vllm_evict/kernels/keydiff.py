@@ -15,7 +15,7 @@ from torch import Tensor
 
 from vllm_evict.dense import KEY_NORM_EPS
 
-from ._common import block_d, check_index, slot_offsets, table_strides, view_strides
+from ._common import block_d, check_index, per_step_jit, slot_offsets, table_strides, view_strides
 
 
 @triton.jit
@@ -28,7 +28,8 @@ def _normalised_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, 
     return k / tl.maximum(norm, eps)[:, None]
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'pt_s_r', 'pt_s_h', 'width'),
+              pointers=('bt_ptr', 'len_ptr'))
 def _keydiff_sum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, part_ptr, pt_s_r, pt_s_h, pt_s_c,
                         width, block_size, s_blk, s_head, s_tok, s_dim, D, chunk, eps,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -52,7 +53,8 @@ def _keydiff_sum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, part_ptr,
     tl.store(part_ptr + r.to(tl.int64) * pt_s_r + h * pt_s_h + c * pt_s_c + dcols, acc, mask=dmask)
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'pt_s_r', 'pt_s_h', 'n_chunks', 'o_s_r', 'o_s_h', 'width'),
+              pointers=('bt_ptr', 'len_ptr'))
 def _keydiff_score_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, part_ptr, pt_s_r, pt_s_h, pt_s_c,
                           n_chunks, out_ptr, o_s_r, o_s_h, width, block_size, s_blk, s_head, s_tok, s_dim, D, eps,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):

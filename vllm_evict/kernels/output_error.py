@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import block_d, check_index, slot_offsets, table_strides, view_strides
+from ._common import block_d, check_index, per_step_jit, slot_offsets, table_strides, view_strides
 
 
 @triton.jit
@@ -25,7 +25,8 @@ def _load_values(v_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_he
                    mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'a_s_r', 'a_s_h', 'pt_s_r', 'pt_s_h', 'width'),
+              pointers=('bt_ptr', 'len_ptr'))
 def _center_sum_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s_r, a_s_h, a_s_n, part_ptr,
                        pt_s_r, pt_s_h, pt_s_c, width, block_size, s_blk, s_head, s_tok, s_dim, D, chunk,
                        FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -54,7 +55,8 @@ def _center_sum_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s
     tl.store(part_ptr + r.to(tl.int64) * pt_s_r + h * pt_s_h + c * pt_s_c + dcols, acc, mask=dmask)
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'a_s_r', 'a_s_h', 'pt_s_r', 'pt_s_h', 'n_chunks', 'o_s_r', 'o_s_h', 'width'),
+              pointers=('bt_ptr', 'len_ptr'))
 def _output_error_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s_r, a_s_h, a_s_n, part_ptr,
                          pt_s_r, pt_s_h, pt_s_c, n_chunks, out_ptr, o_s_r, o_s_h, width, block_size, s_blk,
                          s_head, s_tok, s_dim, D, eps,

@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import block_d, dot_precision, needs_upcast
+from ._common import block_d, dot_precision, needs_upcast, per_step_jit
 
 
-@triton.jit
+@per_step_jit(ints=('v_s_h', 'v_s_t', 'o_s_h', 'T'),
+              pointers=('v_ptr',))
 def _value_norms_kernel(v_ptr, v_s_h, v_s_t, v_s_d, w_ptr, w_s_out, w_s_in, out_ptr, o_s_h, o_s_t,
                         T, D, hidden, group,
                         UPCAST: tl.constexpr, PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import (block_d, check_index, dot_precision, needs_upcast, slot_offsets, table_strides,
-                      view_strides)
+from ._common import (block_d, check_index, dot_precision, needs_upcast, per_step_jit, slot_offsets,
+                      table_strides, view_strides)
 
 
 @triton.jit
@@ -51,7 +51,8 @@ def _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head
     return k, kpos
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'qs_r', 'qp_s_r', 'g_s_r', 'lse_s_r', 'W', 'width'),
+              pointers=('bt_ptr', 'len_ptr', 'qpos_ptr', 'gain_ptr'))
 def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
                        qpos_ptr, qp_s_r, qp_s_w, gain_ptr, g_s_r, g_s_w, pos_ptr, p_blk, p_head, p_tok,
                        lse_ptr, lse_s_r, lse_s_w, W, width, scale, group,
@@ -92,7 +93,8 @@ def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_
     tl.store(lse_ptr + r64 * lse_s_r + entries.to(tl.int64) * lse_s_w + hq, lse, mask=emask)
 
 
-@triton.jit
+@per_step_jit(ints=('bt_s_r', 'qs_r', 'qp_s_r', 'g_s_r', 'lse_s_r', 'W', 'width', 'o_s_r', 'o_s_h', 'o_s_g'),
+              pointers=('bt_ptr', 'len_ptr', 'qpos_ptr', 'gain_ptr'))
 def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
                           qpos_ptr, qp_s_r, qp_s_w, gain_ptr, g_s_r, g_s_w, pos_ptr, p_blk, p_head, p_tok,
                           lse_ptr, lse_s_r, lse_s_w, out_ptr, o_s_r, o_s_h, o_s_g, W, width, scale, group,
@@ -191,8 +193,11 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
               query_positions, *query_positions.stride(), gain_t, g_s_r, g_s_w, positions, *positions.stride(),
               lse, lse.stride(0), lse.stride(1))
     geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
+    # fp32 dot operands multiply without tensor cores: with 4 warps the 64-key tile spills at head size 128
+    # (measured with benchmarks/triton_aot.py for sm_90); 8 warps hold it. bf16/fp16 fit in 4.
+    warps = 8 if prec == "ieee" else 4
     meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
-                BLOCK_D=block_d(d))
+                BLOCK_D=block_d(d), num_warps=warps)
     _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](
         *common, w, width, float(scale), group, *geometry, **meta)
     o_s_g = out.stride(2) if per_query_head else 0

@@ -227,6 +227,9 @@ class Policy(ABC):
     state_names: ClassVar[tuple[str, ...]] = ()
     # The states ``init_state`` computes from a token's key/value (the others start at 0).
     computed_state: ClassVar[tuple[str, ...]] = ()
+    # Option sets under which the method keeps per-token states its defaults do not (e.g. a per-query-head
+    # window mass): a server reserving the method for requests reserves these too (vllm_evict.reservation).
+    state_variants: ClassVar[tuple[dict[str, Any], ...]] = ()
     # True when ``update_state`` must run on every step, not only when evicting.
     needs_every_step: ClassVar[bool] = False
     needs_o_proj: ClassVar[bool] = False

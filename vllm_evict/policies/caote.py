@@ -61,6 +61,7 @@ class CAOTE(MetaPolicy):
     summary = ("attention-output change if a token were dropped: alpha/(1-alpha)*||X - v||, alpha = the "
                "base's mass normalised to sum 1, X = sum alpha*v")
     paper = "Goel et al., CAOTE: KV Cache Eviction for LLMs via Attention Output Error-Based Token Selection (2025)"
+    state_variants = ({"caote_mode": "head"},)  # per query head: the window mass per query head
     caote_mode: str = "group"  # "group" or "head" (see the module docstring)
     eps: float = 1e-6  # floor on 1 - alpha
     fast = False  # FastCAOTE: X is the unweighted mean of the values

@@ -19,7 +19,7 @@ from vllm_evict.policies.base import EvictionInputs, SinksAndRecent
 def head_draws(inp: EvictionInputs, stream: int = 0) -> Tensor:
     """Uniform (0, 1) draws [R, H_kv, N] keyed by (seed, layer, global head, seq_len, position, stream)."""
     rows, heads = inp.num_rows, inp.num_kv_heads
-    seed = torch.as_tensor(inp.seed, dtype=torch.int64, device=inp.device).expand(rows).view(rows, 1, 1)
+    seed = dense.as_rows(inp.seed, rows, inp.device, torch.int64).view(rows, 1, 1)
     head = (inp.head_offset + torch.arange(heads, device=inp.device)).view(1, heads, 1)
     seq_len = inp.seq_len.view(rows, 1, 1)
     return dense.uniform_hash(seed, inp.layer, head, seq_len, inp.positions.long().clamp_min(0), stream)

@@ -25,6 +25,7 @@ class SnapKV(Policy):
     one_shot = True
     is_attention_mass = True
     state_names = (WINDOW_MASS,)
+    state_variants = ({"pooling": "max"},)  # max pooling reads the window mass per query head
     window: int = 32  # observation-window queries; their tokens are always kept
     kernel: int = 7  # odd pooling kernel
     pooling: str = "avg"  # "avg", "max" or "none"
