@@ -155,7 +155,8 @@ def run(llm: Any, requests: list[Request], eos: set[int], use_tqdm: bool = True)
             continue
         stats = (output.kv_transfer_params or {}).get("kv_eviction")
         records.append(record(request, answer=answer_text(tokenizer, token_ids[request.forced:], eos), stats=stats,
-                              batch_seconds=seconds, batch_size=len(runnable)))
+                              answer_tokens=len(token_ids) - request.forced, batch_seconds=seconds,
+                              batch_size=len(runnable)))
     return records
 
 

@@ -56,8 +56,25 @@ class Store:
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
+        self._drop_torn_line()
         self.records = read(self.path)
         self._done = {key_of(r) for r in self.records}
+
+    def _drop_torn_line(self) -> None:
+        """A run killed while writing leaves a last line that is not a whole record: cut it off, so that
+        the next record does not land after it."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        body = data.rstrip(b"\n")
+        start = body.rfind(b"\n") + 1
+        last = body[start:]
+        if not last.strip():
+            return
+        try:
+            json.loads(last)
+        except json.JSONDecodeError:
+            self.path.write_bytes(data[:start])
 
     def done(self, key: tuple[Any, ...]) -> bool:
         return key in self._done
@@ -69,7 +86,7 @@ class Store:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # A torn last line from a killed run would glue onto the next record: start on a fresh line.
-        prefix = "\n" if not _ends_with_newline(self.path) else ""
+        prefix = "" if _ends_with_newline(self.path) else "\n"
         with self.path.open("a") as f:
             f.write(prefix + "".join(json.dumps(r, sort_keys=True) + "\n" for r in new))
             f.flush()
