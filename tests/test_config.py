@@ -29,8 +29,13 @@ def test_parse_and_normalise():
 def test_schedule_defaults_follow_the_method():
     assert from_spec("snapkv").schedule == "oneshot"
     assert from_spec("caote+snapkv").schedule == "oneshot"
-    assert from_spec("h2o").schedule == "chunked"
-    assert from_spec("fastcaote+h2o").schedule == "chunked"
+    # H2O and TOVA as their releases: the prompt is processed, then cut to the budget once.
+    assert from_spec("h2o").schedule == "oneshot"
+    assert from_spec("fastcaote+h2o").schedule == "oneshot"
+    assert from_spec("tova").schedule == "oneshot"
+    # KeyDiff's paper processes the prompt block by block.
+    assert from_spec("keydiff").schedule == "chunked"
+    assert from_spec("caote+tova", schedule="chunked").schedule == "chunked"
     assert from_spec("snapkv", schedule="chunked").schedule == "chunked"
 
 
@@ -162,9 +167,9 @@ def test_request_lowers_or_raises_the_budget(budget):
 
 
 def test_request_picks_another_policy():
-    cfg = resolve_request_config(SERVER, {"kv_eviction": "h2o"})
-    # snapkv's window does not apply to h2o; budget and engine knobs stay; h2o's own schedule default.
-    assert cfg.policy == "h2o" and cfg.budget == 1024 and cfg.seed == 3 and cfg.slack == 64
+    cfg = resolve_request_config(SERVER, {"kv_eviction": "keydiff"})
+    # snapkv's window does not apply to keydiff; budget and engine knobs stay; keydiff's own schedule default.
+    assert cfg.policy == "keydiff" and cfg.budget == 1024 and cfg.seed == 3 and cfg.slack == 64
     assert "window" not in cfg.options and cfg.schedule == "chunked"
     cfg = resolve_request_config(SERVER, {"kv_eviction": "criticalkv+snapkv", "kv_budget": 512,
                                           "kv_eviction_config": {"alpha": 0.25, "window": 8}})

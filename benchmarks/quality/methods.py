@@ -106,8 +106,8 @@ PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova", "observed_attention": "h2o:kv
                "random": "random:oneshot", "criticalkv+snapkv": "criticalkv+snapkv"}
 
 PROFILES: dict[str, tuple[str, ...]] = {
-    # every default, the kvpress twins and the alternatives
-    "full": tuple(ALL_METHODS),
+    # every configuration: the defaults, the kvpress twins and the alternatives
+    "everything": tuple(ALL_METHODS),
     # what a user picks from, plus the twins the side-by-side needs
     "defaults": ("full", *(m.name for m in DEFAULTS), *(m.name for m in KVPRESS_TWINS)),
     # a handful, for a quick look
