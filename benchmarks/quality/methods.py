@@ -62,7 +62,7 @@ ALTERNATIVES: tuple[Method, ...] = (
     Method("nacl:proxy=10%", "nacl", {"proxy": TENTH}, note="the earlier default: 10% of the prompt"),
     Method("nacl:random=0.7", "nacl", {"random_ratio": 0.7}, note="the paper's ablation optimum (Fig. 5)"),
     Method("nacl:random=0", "nacl", {"random_ratio": 0.0}, note="no random part"),
-    Method("ahakv:gain=literal", "ahakv", {"gain": "literal"},
+    Method("ahakv:gain=scaled", "ahakv", {"gain": "scaled"},
            note="lambda = sqrt(2 ln(i/k) / d) on the already-scaled logits (Algorithm 1 read literally)"),
     Method("ahakv:gain=none", "ahakv", {"gain": "none"}, note="plain softmax (the paper's 'w/o SG-softmax' ablation)"),
     Method("h2o:recent=0", "h2o", {"recent": 0}, note="heavy hitters only (the CAOTE/KeyDiff harness)"),
