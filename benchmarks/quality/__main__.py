@@ -25,7 +25,7 @@ from benchmarks.quality.results import Store
 from benchmarks.quality.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_RESULTS = REPO / "docs" / "benchmarks" / "quality" / "results.jsonl"
+RESULTS_DIR = REPO / "docs" / "benchmarks" / "quality"  # results-<backend>.jsonl: one file per backend
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 QUICK = dict(lengths="2048", samples=1, methods="quick", ratios="0.5,0.875")
 
@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--ratios", default=",".join(str(r) for r in M.RATIOS), help="compression ratios (fraction removed)")
     run.add_argument("--settings", default=",".join(M.SETTINGS), help="aware, agnostic or both")
     run.add_argument("--seed", type=int, default=0, help="task seed (0)")
-    run.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    run.add_argument("--results", type=Path, default=None,
+                     help="results file (default: docs/benchmarks/quality/results-<backend>.jsonl)")
     run.add_argument("--chunk", type=int, default=512, help="engine max_num_batched_tokens (512)")
     run.add_argument("--max-num-seqs", type=int, default=16, help="engine max_num_seqs (16)")
     run.add_argument("--kv-gib", type=float, default=2.0, help="engine KV pool in GiB (2)")
@@ -56,11 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="shorthand for --lengths 2048 --samples 1 --methods quick --ratios 0.5,0.875")
     run.add_argument("--dry-run", action="store_true", help="print what is left to run, and run nothing")
     report = sub.add_parser("report", help="tables (markdown) and plots from a results file")
-    report.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    report.add_argument("--results", type=Path, nargs="+", default=None,
+                        help="results files (default: docs/benchmarks/quality/results-*.jsonl)")
     report.add_argument("--model", default=DEFAULT_MODEL)
     report.add_argument("--dtype", default="bfloat16")
     report.add_argument("--length", type=int, default=4096)
-    report.add_argument("--out", type=Path, default=None, help="folder for the markdown and PNGs (default: next to --results)")
+    report.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for results.md and the PNGs")
     args = parser.parse_args(argv)
     if args.command == "run" and args.quick:
         for name, value in QUICK.items():
@@ -103,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from benchmarks.quality import report
 
-        out = report.write(args.results, model=args.model, dtype=args.dtype, length=args.length,
-                           out=args.out or args.results.parent)
+        files = args.results or sorted(RESULTS_DIR.glob("results-*.jsonl"))
+        out = report.write(files, model=Path(args.model).name, dtype=args.dtype, length=args.length, out=args.out)
         print(f"wrote {out}")
         return 0
     return run(args)
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     settings = [s.strip() for s in args.settings.split(",")]
     if any(s not in M.SETTINGS for s in settings):
         raise SystemExit(f"settings are {', '.join(M.SETTINGS)}")
+    if args.results is None:
+        args.results = RESULTS_DIR / f"results-{args.backend}.jsonl"
     model_path = resolve_model(args.model)
     from transformers import AutoTokenizer
 

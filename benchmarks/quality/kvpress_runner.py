@@ -41,6 +41,9 @@ def load(model_path: str, dtype: torch.dtype) -> tuple[Any, Any]:
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
     model.eval()
+    if getattr(model.config, "head_dim", None) is None:
+        # kvpress's CriticalKVPress reads config.head_dim, which Qwen2's config leaves out (it derives it).
+        model.config.head_dim = model.config.hidden_size // model.config.num_attention_heads
     return model, AutoTokenizer.from_pretrained(model_path)
 
 
