@@ -190,3 +190,17 @@ def test_report_scores_average_tasks_equally_over_common_tasks():
     assert table.score(snap, table.tasks([snap, tova])) == pytest.approx(50.0)
     errors = report.Table([record(error="refused", score=None)])
     assert errors.errors and not errors.scores
+
+
+def test_side_by_side_and_claims_read_the_right_rows():
+    rows = [record(backend="kvpress", method="snapkv", score=1.0), record(method="snapkv", score=0.0),
+            record(backend="kvpress", method="full", ratio=0.0), record(method="full", ratio=0.0),
+            record(method="caote+snapkv", score=1.0), record(method="criticalkv+snapkv", score=0.0)]
+    table = report.Table(rows)
+    text = report.side_by_side(table, "aware")
+    assert "| snapkv | snapkv | 100.0 / 0.0 (-100.0) | 100.0 |" in text
+    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 |" in text
+    claims = report.claims(table)
+    assert "aware: caote+snapkv >= snapkv: 0.5: 100.0 vs 0.0 ok" in claims
+    assert "aware: criticalkv+snapkv >= snapkv: 0.5: 0.0 vs 0.0 ok" in claims
+    assert "best method at ratio 0.5 within 5 points of the full cache: caote+snapkv 100.0 vs 100.0 ok" in claims
