@@ -108,6 +108,34 @@ def task_table(table: Table, backend: str, setting: str, ratio: float) -> str:
     return header + "\n".join(lines) + "\n"
 
 
+READING_GROUPS = {
+    "AhaKV's gain": ("ahakv", "ahakv:gain=scaled", "ahakv:gain=none"),
+    "NaCl's proxies and random share": ("nacl", "nacl:proxy=question", "nacl:proxy=10%", "nacl:random=0.7",
+                                        "nacl:random=0"),
+    "H2O's recent window, accumulation and schedule": ("h2o", "h2o:recent=0", "h2o:mean", "h2o:kvpress",
+                                                       "h2o:chunked"),
+    "TOVA's schedule": ("tova", "tova:chunked"),
+    "CriticalKV's pooling": ("criticalkv+snapkv", "criticalkv+snapkv:max"),
+}
+
+
+def readings_table(table: Table, setting: str, names: Sequence[str]) -> str | None:
+    """One row per reading, one column per (task, ratio) that at least two of them have results for."""
+    present = [n for n in names if any(k[0] == "engine" and k[1] == setting and k[2] == n for k in table.scores)]
+    if len(present) < 2:
+        return None
+    cells = sorted({(t, k[3]) for k in table.scores if k[0] == "engine" and k[1] == setting and k[2] in present
+                    for t in table.scores[k]}, key=lambda c: (list(TASKS).index(c[0]), c[1]))
+    cells = [c for c in cells
+             if sum(table.task_score(("engine", setting, n, c[1]), c[0]) is not None for n in present) >= 2]
+    if not cells:
+        return None
+    header = "| reading | " + " | ".join(f"{t} {r:g}" for t, r in cells) + " |\n|---|" + "---|" * len(cells) + "\n"
+    return header + "\n".join(
+        f"| {n} | " + " | ".join(_fmt(table.task_score(("engine", setting, n, r), t), 0) for t, r in cells) + " |"
+        for n in present) + "\n"
+
+
 def full_table(table: Table) -> str:
     """The full cache's score per task, for each backend and setting."""
     rows = [(b, s) for b in ("engine", "kvpress") for s in ("aware", "agnostic")
@@ -311,6 +339,14 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
             parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
     parts.append(f"## Full cache, per task\n\n{full_table(table)}")
     parts.append(f"## The papers' claims on these numbers\n\n{claims(table)}")
+    readings = []
+    for setting in ("aware", "agnostic"):
+        for title, names in READING_GROUPS.items():
+            text = readings_table(table, setting, names)
+            if text:
+                readings.append(f"### {title}, {setting}\n\n{text}")
+    if readings:
+        parts.append("## The papers' readings (engine; cells: task, ratio)\n\n" + "\n".join(readings))
     for setting in ("aware", "agnostic"):
         for backend in ("engine", "kvpress"):
             for r in table.ratios(backend, setting):
