@@ -60,8 +60,10 @@ class Table:
         order = list(M.ALL_METHODS) if backend == "engine" else ["full", *M.PRESS_TWINS]
         return [n for n in order if n in names] + sorted(names - set(order))
 
-    def ratios(self, backend: str, setting: str) -> list[float]:
-        return sorted({k[3] for k in self.scores if k[0] == backend and k[1] == setting and k[3] > 0})
+    def ratios(self, backend: str, setting: str, every: bool = False) -> list[float]:
+        """The suite's ratios this backend and setting have results at (``every``: other ratios too)."""
+        found = {k[3] for k in self.scores if k[0] == backend and k[1] == setting and k[3] > 0}
+        return sorted(found if every else found & set(M.RATIOS))
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -125,6 +127,7 @@ def readings_table(table: Table, setting: str, names: Sequence[str]) -> str | No
     if len(present) < 2:
         return None
     cells = sorted({(t, k[3]) for k in table.scores if k[0] == "engine" and k[1] == setting and k[2] in present
+                    and k[3] > 0
                     for t in table.scores[k]}, key=lambda c: (list(TASKS).index(c[0]), c[1]))
     cells = [c for c in cells
              if sum(table.task_score(("engine", setting, n, c[1]), c[0]) is not None for n in present) >= 2]
