@@ -345,7 +345,8 @@ class EvictionStep:
                          at_prompt_end=np.full(n, policy.window_at_prompt_end),
                          in_decode=np.full(n, policy.window_in_decode))
         recorded = end.recorded(cached, sc.scheduled[rows], policy.window_size(end.logical, end.kept))
-        return WindowStep(recorded=recorded, count=recorded, gain=policy.window_gain(end.logical, end.kept),
+        gain = policy.window_gain(end.logical, end.kept, self.kv.shapes.head_size)
+        return WindowStep(recorded=recorded, count=recorded, gain=gain,
                           reset=bool(end.now[0]))
 
     def plan(self, sc: Scenario, inp: StepInputs) -> tuple[StepPlan, list[Policy]]:

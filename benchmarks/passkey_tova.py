@@ -2,7 +2,7 @@
 mean (``heads="group"``) and the full cache, on ~2,000-token prompts.
 
     python benchmarks/passkey_tova.py                 # Qwen2.5-Coder-0.5B-Instruct, 12 prompts, budget 120
-    python benchmarks/passkey_tova.py --eviction-config '{"schedule": "oneshot"}' --no-full
+    python benchmarks/passkey_tova.py --eviction-config '{"schedule": "chunked"}' --no-full
 
 The prompts are the project's passkey recipe (tests/engine/test_quality_passkey.py: grass filler, a needle
 with a new 5-digit key, raw completion, greedy, 8 new tokens; a hit is the key in the output) with the

@@ -29,8 +29,13 @@ def test_parse_and_normalise():
 def test_schedule_defaults_follow_the_method():
     assert from_spec("snapkv").schedule == "oneshot"
     assert from_spec("caote+snapkv").schedule == "oneshot"
-    assert from_spec("h2o").schedule == "chunked"
-    assert from_spec("fastcaote+h2o").schedule == "chunked"
+    # H2O and TOVA as their releases: the prompt is processed, then cut to the budget once.
+    assert from_spec("h2o").schedule == "oneshot"
+    assert from_spec("fastcaote+h2o").schedule == "oneshot"
+    assert from_spec("tova").schedule == "oneshot"
+    # KeyDiff's paper processes the prompt block by block.
+    assert from_spec("keydiff").schedule == "chunked"
+    assert from_spec("caote+tova", schedule="chunked").schedule == "chunked"
     assert from_spec("snapkv", schedule="chunked").schedule == "chunked"
 
 

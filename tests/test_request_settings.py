@@ -50,9 +50,9 @@ def test_request_lowers_or_raises_the_budget(budget):
 
 
 def test_request_picks_another_policy():
-    cfg = settle({"kv_eviction": "h2o"}).config
-    # snapkv's window does not apply to h2o; budget and engine knobs stay; h2o's own schedule default.
-    assert cfg.policy == "h2o" and cfg.budget == 1024 and cfg.seed == 3 and cfg.slack == 64
+    cfg = settle({"kv_eviction": "keydiff"}).config
+    # snapkv's window does not apply to keydiff; budget and engine knobs stay; keydiff's own schedule default.
+    assert cfg.policy == "keydiff" and cfg.budget == 1024 and cfg.seed == 3 and cfg.slack == 64
     assert "window" not in cfg.options and cfg.schedule == "chunked"
     cfg = settle({"kv_eviction": "criticalkv+snapkv", "kv_budget": 512,
                   "kv_eviction_config": {"alpha": 0.25, "window": 8}}).config

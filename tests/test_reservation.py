@@ -35,8 +35,8 @@ def test_server_options_are_not_eviction_options():
     ({"policy": "snapkv", "budget": 256, "window": 64}, 64),
     ({"policy": "caote+snapkv", "budget": 256, "window": 48}, 48),
     ({"policy": "ahakv", "budget": 256, "recent": 40}, 40),
-    ({"policy": "nacl", "budget": 256}, (256 - 4) // 2),  # the automatic proxy rule at the budget
-    ({"policy": "nacl", "budget": 8192}, NaCl.MAX_PROXY),
+    ({"policy": "nacl", "budget": 256}, NaCl.DEFAULT_PROXY),  # the default proxy count
+    ({"policy": "nacl", "budget": 40}, DEFAULT_MIN_WINDOW),  # capped at (40 - 4) // 2 = 18 by the budget
     ({"policy": "nacl", "budget": 256, "proxy": 8}, DEFAULT_MIN_WINDOW),
     ({"policy": "h2o", "budget": 256, "recent": 100}, 100),  # its own options always fit
 ])
@@ -67,12 +67,12 @@ def test_bad_server_options(mapping, message):
         server(mapping)
 
 
-def test_explicit_max_window_caps_nacls_automatic_proxy_rule():
-    got = server({"policy": "nacl", "budget": 4096, "max_window": 64})
-    assert got.max_window == 64
+def test_explicit_max_window_caps_nacls_default_proxy_count():
+    got = server({"policy": "nacl", "budget": 4096, "max_window": 16})
+    assert got.max_window == 16
     policy = got.eviction.build_policy(window_cap=got.max_window)
-    assert policy.window_for(4096) == 64 and policy.protected_count(4096) == 4 + 64
-    assert got.eviction.build_policy().window_for(4096) == NaCl.MAX_PROXY  # uncapped elsewhere
+    assert policy.window_for(4096) == 16 and policy.protected_count(4096) == 4 + 16
+    assert got.eviction.build_policy().window_for(4096) == NaCl.DEFAULT_PROXY  # uncapped elsewhere
 
 
 # ---- Reservation ------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def _accepting_bases(meta_cls: type[Policy]) -> list[str]:
 
 def _describe_protected(policy: Policy) -> str:
     options = getattr(policy, "base", policy).options  # a meta score protects what its base protects
-    parts = [f"{k} {options[k]}" for k in ("sinks", "window", "recent", "proxy") if k in options]
+    parts = [f"{k} {options[k]}" for k in ("sinks", "window", "recent", "proxy") if options.get(k) is not None]
     return " + ".join(parts) if parts else "its protected tokens"
 
 

@@ -169,7 +169,7 @@ class _Run:
         recorded = end.recorded(one(cached_after), one(num_new), self.policy.window_size(end.logical, end.kept))
         count = self.window_count + recorded
         self.window_count = 0 if end.now[0] else int(count[0])
-        return WindowStep(recorded=recorded, count=count, gain=self.policy.window_gain(end.logical, end.kept),
+        return WindowStep(recorded=recorded, count=count, gain=self.policy.window_gain(end.logical, end.kept, self.head_size),
                           reset=bool(end.now[0]))
 
     def compress(self, keep: int) -> None:

@@ -130,9 +130,23 @@ def test_gain_uses_logical_length_and_given_budget():
     inp = build(n=40, positions=list(range(0, 4000, 100)), w=4)  # an evicted cache: seq_len 3901
     pol = AhaKV(recent=4)
     assert inp.seq_len.tolist() == [3901]
-    assert float(pol.gain(with_budget(inp, 720))[0]) == pytest.approx(math.sqrt(2 * math.log(3901 / 720)))
+    assert float(pol.logit_gain(with_budget(inp, 720))[0]) == pytest.approx(math.sqrt(2 * math.log(3901 / 720)))
     # without a budget: the physical size stands in for it
-    assert float(pol.gain(inp)[0]) == pytest.approx(math.sqrt(2 * math.log(3901 / 40)))
+    assert float(pol.logit_gain(inp)[0]) == pytest.approx(math.sqrt(2 * math.log(3901 / 40)))
+
+
+def test_gain_readings():
+    """What the paper's lambda = sqrt(2 ln(i/k) / d) multiplies: the raw q.k (default; eta = lambda sqrt(d) on
+    the scaled logits), the already-scaled logits (Algorithm 1 literally: eta = lambda), or nothing."""
+    inp = with_budget(build(n=40, positions=list(range(0, 4000, 100)), w=4, d=16), 720)
+    eta = math.sqrt(2 * math.log(3901 / 720))
+    assert float(AhaKV(recent=4).logit_gain(inp)[0]) == pytest.approx(eta)
+    assert float(AhaKV(recent=4, gain="scaled").logit_gain(inp)[0]) == pytest.approx(eta / 4.0)  # sqrt(d) = 4
+    assert AhaKV(recent=4, gain="none").logit_gain(inp) is None
+    # The reading changes the score: a plain softmax is flatter than the sharpened one here (eta > 1).
+    sharp, plain = AhaKV(recent=4).window_score(inp), AhaKV(recent=4, gain="none").window_score(inp)
+    assert float(sharp.max()) > float(plain.max())
+    torch.testing.assert_close(sharp.sum(-1), plain.sum(-1))  # both sum 4 rows x G heads of mass 1
 
 
 # ---- prefill scoring -------------------------------------------------------------------------------
@@ -227,7 +241,7 @@ def test_longer_context_gives_sharper_scores():
         pos += list(range(pos[-1] + 1, pos[-1] + 9))
         inp = with_budget(build(h_kv=2, group=3, n=n, w=8, seed=5, positions=pos), budget)
         f = pol.window_score(inp)[0, :, : n - 8]
-        return f / f.sum(-1, keepdim=True), float(pol.gain(inp)[0])
+        return f / f.sum(-1, keepdim=True), float(pol.logit_gain(inp)[0])
 
     short, g_short = fmass(1)  # seq_len 80: gain sqrt(2 ln(80/60)) ~ 0.76
     long, g_long = fmass(100)  # seq_len ~7.1k: gain ~ 3.1
@@ -326,7 +340,7 @@ def test_decode_over_several_steps_accumulates():
     for t in range(3):
         step_inp = inp.with_state(state)
         res = step(pol, step_inp, None)
-        total = total + naive_sg_rows(step_inp, [inp.queries.shape[2] - 1], pol.gain(step_inp)[0]).float()
+        total = total + naive_sg_rows(step_inp, [inp.queries.shape[2] - 1], pol.logit_gain(step_inp)[0]).float()
         state = res.state
     torch.testing.assert_close(state["score"][0], total, rtol=1e-5, atol=1e-5)
 
@@ -367,6 +381,7 @@ def test_class_contract():
     ({"sinks": -1}, r"sinks must be an integer in \[0, 2147483647\]"),
     ({"recent": 60, "sinks": 40}, r"budget 100 must be larger than the 100 tokens ahakv always keeps"),
     ({"window": 8}, r"unknown option 'window' for ahakv"),
+    ({"gain": "linear"}, r"gain must be one of raw, scaled, none; got 'linear'"),
 ])
 def test_invalid_options(options, match):
     with pytest.raises(ValueError, match=match):

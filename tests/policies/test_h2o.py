@@ -11,7 +11,7 @@ from vllm_evict.config import EvictionConfig
 from vllm_evict.policies.base import EvictionInputs
 from vllm_evict.policies.h2o import H2O
 
-from .helpers import compact, group_mean, make_inputs, naive_rows_of, one_row, step, with_initial_state
+from .helpers import compact, group_mean, make_inputs, naive_rows_of, one_row, step, with_budget, with_initial_state
 
 
 def naive_block_mass(inp: EvictionInputs) -> torch.Tensor:
@@ -32,10 +32,12 @@ def test_class_contract():
     assert p.state_names == ("acc",)
     assert p.needs_every_step is True
     assert p.query_window is None
-    assert p.is_attention_mass is True and p.one_shot is False
-    assert p.options == {"recent": 0, "sinks": 0}
-    assert p.protected_count(100) == 0
+    assert p.is_attention_mass is True and p.one_shot is True  # the release evicts after the prompt
+    assert p.options == {"recent": None, "sinks": 0, "accumulate": "sum"}
+    assert p.protected_count(100) == 50  # the paper's equal heavy / recent split
+    assert p.protected_count(101) == 50
     assert H2O(recent=3, sinks=2).protected_count(100) == 5
+    assert H2O(recent=0).protected_count(100) == 0
 
 
 def test_uniform_attention_by_hand():
@@ -103,7 +105,7 @@ def test_causal_mask_by_position():
 
 def test_state_survives_compaction_and_positions_stay_logical():
     """Evict, compact the state with the KV, then accumulate again over non-contiguous positions."""
-    p = H2O()
+    p = H2O(recent=0)
     full = make_inputs(1, 3, n=12, d=8, w=12, seed=7)
     first = cut(full, 8, slice(0, 8), num_new=8)
     r1 = step(p, with_initial_state(p, first), 5)
@@ -150,12 +152,34 @@ def test_scores_and_protection():
     torch.testing.assert_close(p.attention_mass(inp.with_state(r.state)), r.state["acc"])
 
 
-def test_default_config_protects_nothing():
+def test_default_config_keeps_half_the_budget_recent():
     cfg = EvictionConfig.from_spec("h2o", 4)
-    assert cfg.schedule == "chunked"
+    assert cfg.schedule == "oneshot"
     p = cfg.build_policy()
     inp = with_initial_state(p, make_inputs(1, 1, n=10, d=4, w=10, seed=2))
-    assert not p.protected_mask(inp).any()
+    assert not p.protected_mask(inp).any()  # a step that evicts nothing protects nothing
+    assert p.protected_mask(with_budget(inp, 4))[0, 0].tolist() == [False] * 8 + [True] * 2
+    assert p.protected_mask(with_budget(inp, 7))[0, 0].tolist() == [False] * 7 + [True] * 3
+    # The other half of the budget goes to the heaviest of the older tokens.
+    r = step(p, inp, 6)
+    acc = r.state["acc"][0, 0].clone()
+    acc[7:] = float("-inf")
+    assert set(r.keep[0, 0].tolist()) == {7, 8, 9} | set(torch.topk(acc, 3).indices.tolist())
+    assert not EvictionConfig.from_spec("h2o", 4, recent=0).build_policy().protected_mask(with_budget(inp, 4)).any()
+
+
+def test_mean_accumulation_divides_by_the_queries_that_saw_each_token():
+    """accumulate="mean": kvpress's observed-attention score, acc_j / (seq_len - pos_j)."""
+    p = H2O(accumulate="mean", recent=0)
+    inp = with_initial_state(p, make_inputs(2, 3, n=12, d=8, w=12, seed=4))
+    state = p.update_state(inp)
+    got = p.attention_mass(inp.with_state(state))
+    seen = (12 - torch.arange(12)).float()
+    torch.testing.assert_close(got, state["acc"] / seen)
+    assert p.mass_rows(inp).tolist() == [1] and H2O().mass_rows(inp).tolist() == [12]
+    # Ranking by the mean is not ranking by the sum: early tokens lose their head start.
+    r_mean, r_sum = step(p, inp, 5), step(H2O(recent=0), inp, 5)
+    assert not torch.equal(r_mean.keep, r_sum.keep)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -164,8 +188,9 @@ def test_default_config_protects_nothing():
     ({"recent": 1.5}, "recent must be an integer in [0, 2147483647], got 1.5"),
     ({"sinks": "4"}, "sinks must be an integer in [0, 2147483647], got '4'"),
     ({"recent": True}, "recent must be an integer in [0, 2147483647], got True"),
-    ({"window": 4}, "unknown option 'window' for h2o; valid options: budget, mode, policy, recent, schedule, "
-                    "seed, sinks, slack"),
+    ({"accumulate": "max"}, "accumulate must be one of sum, mean; got 'max'"),
+    ({"window": 4}, "unknown option 'window' for h2o; valid options: accumulate, budget, mode, policy, recent, "
+                    "schedule, seed, sinks, slack"),
 ])
 def test_invalid_options(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):

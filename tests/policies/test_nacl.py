@@ -80,14 +80,14 @@ def test_proxy_score_is_group_mean_of_causal_column_sums(group):
 
 
 @pytest.mark.parametrize("seq_len,budget,expected", [
-    (100, 1000, 32),  # max(32, 10) = 32
-    (1000, 1000, 100),  # 10% of p
-    (1001, 1000, 101),  # ceil
+    (100, 1000, 32),  # the default: the last 32 tokens
+    (1000, 1000, 32),  # whatever the prompt's length (the old rule took 10% of it)
+    (50_000, 100_000, 32),
     (1000, 60, 28),  # capped at (60 - 4) // 2
-    (50_000, 100_000, NaCl.MAX_PROXY),  # bounded by the query buffer
+    (1000, 9, 2),
 ])
-def test_proxy_count_rule(seq_len, budget, expected):
-    inp = build(h_kv=1, group=1, n=20, w=NaCl.MAX_PROXY, positions=list(range(seq_len - 20, seq_len)))
+def test_proxy_count_default(seq_len, budget, expected):
+    inp = build(h_kv=1, group=1, n=20, w=NaCl.DEFAULT_PROXY, positions=list(range(seq_len - 20, seq_len)))
     assert NaCl().proxy_count(with_budget(inp, budget)).tolist() == [expected]
 
 
@@ -96,14 +96,16 @@ def test_proxy_count_bounded_by_available_queries_and_fixed_option():
     assert NaCl().proxy_count(inp).tolist() == [20]
     assert NaCl(proxy=5).proxy_count(inp).tolist() == [5]
     assert NaCl(proxy=500).proxy_count(inp).tolist() == [20]
-    assert NaCl(proxy=9).query_window == 9 and NaCl().query_window == NaCl.MAX_PROXY
+    assert NaCl(proxy=9).query_window == 9 and NaCl().query_window == NaCl.DEFAULT_PROXY == 32
     # Empty window entries (-1) are not queries.
     inp.query_positions[0, :15] = -1
     assert NaCl().proxy_count(inp).tolist() == [5]
-    # Without a budget the rule's cap (B - sinks) // 2 does not apply.
+    # Without a budget the cap (B - sinks) // 2 does not apply.
     long = build(h_kv=1, group=1, n=20, w=200, positions=list(range(980, 1000)))
-    assert NaCl().proxy_count(with_budget(long, 60)).tolist() == [28]
-    assert NaCl().proxy_count(long).tolist() == [100]
+    assert NaCl().proxy_count(with_budget(long, 40)).tolist() == [18]
+    assert NaCl().proxy_count(long).tolist() == [32]
+    # A request that knows its question's length names it: the proxies are exactly the question.
+    assert NaCl(proxy=57).proxy_count(with_budget(long, 1000)).tolist() == [57]
 
 
 # ---- the split ---------------------------------------------------------------------------------------
@@ -290,7 +292,8 @@ def test_class_contract():
     pol = EvictionConfig.from_spec("nacl", 200).build_policy()
     assert isinstance(pol, NaCl) and pol.one_shot and pol.is_attention_mass
     assert pol.options == {"proxy": None, "sinks": 4, "random_ratio": 7 / 19, "temperature": 1.0}
-    assert pol.protected_count(200) == 4 + 98
+    assert pol.protected_count(200) == 4 + 32
+    assert pol.protected_count(40) == 4 + 18  # the default's cap: half the non-sink budget
     assert NaCl(proxy=20).protected_count(200) == 24
     assert EvictionConfig.from_spec("nacl", 200).schedule == "oneshot"
     inp = build(n=100, w=40)
@@ -326,22 +329,22 @@ def test_smallest_valid_budget():
     assert int(part.protected.sum()) == 5 and int(part.proxy_top.sum() + part.random.sum()) == 1
 
 
-def test_query_ring_is_as_wide_as_the_rule_can_reach_at_the_budget():
-    """The engine buffers window_for(budget) queries per request: the rule's n_p is at most
-    floor((B - sinks) / 2), so that is the width, not MAX_PROXY (1024 queries per request otherwise)."""
-    nacl = EvictionConfig.from_spec("nacl", budget=96).build_policy()
-    assert nacl.window_for(96) == (96 - 4) // 2
-    assert nacl.window_for(10_000) == NaCl.MAX_PROXY
-    assert nacl.window_for(None) == NaCl.MAX_PROXY == nacl.query_window
+def test_query_ring_is_as_wide_as_the_default_can_reach_at_the_budget():
+    """The engine buffers window_for(budget) queries per request: the default n_p is at most
+    min(32, floor((B - sinks) / 2)), so that is the width."""
+    nacl = EvictionConfig.from_spec("nacl", budget=40).build_policy()
+    assert nacl.window_for(40) == (40 - 4) // 2
+    assert nacl.window_for(10_000) == NaCl.DEFAULT_PROXY
+    assert nacl.window_for(None) == NaCl.DEFAULT_PROXY == nacl.query_window
     fixed = EvictionConfig.from_spec("nacl", budget=96, proxy=8).build_policy()
     assert fixed.window_for(96) == fixed.window_for(None) == 8
     snapkv = EvictionConfig.from_spec("snapkv", budget=96).build_policy()
     assert snapkv.window_for(96) == snapkv.query_window
 
 
-def test_rule_never_needs_more_queries_than_the_ring_holds():
+def test_default_never_needs_more_queries_than_the_ring_holds():
     nacl = NaCl()
     for budget in (9, 40, 96, 300, 2052, 5000):
         for length in (16, 500, 4000, 100_000):
-            n_p = min(max(32, math.ceil(length / 10)), nacl._rule_cap(budget))
-            assert min(n_p, NaCl.MAX_PROXY) <= nacl.window_for(budget)
+            inp = build(h_kv=1, group=1, n=20, w=64, positions=list(range(length - 20, length)))
+            assert int(nacl.proxy_count(with_budget(inp, budget))[0]) <= nacl.window_for(budget)

@@ -18,7 +18,8 @@ def test_class_contract():
     p = TOVA()
     assert p.name == "tova" and p.summary and p.paper
     assert p.query_window == 1
-    assert p.is_attention_mass is True and p.one_shot is False
+    # One-shot, as the authors' release: the cache is cut once the prompt has been processed.
+    assert p.is_attention_mass is True and p.one_shot is True
     assert p.state_names == ("wmass",) and p.needs_every_step is False and p.accumulates_window
     assert p.options == {"recent": 0, "sinks": 0, "heads": "layer"}
     assert TOVA(recent=2, sinks=3).protected_count(50) == 5

@@ -184,7 +184,7 @@ class StepBuilder:
                              at_prompt_end=np.full(n, policy.window_at_prompt_end),
                              in_decode=np.full(n, policy.window_in_decode))
             recorded[rows] = end.recorded(cached_after[rows], scheduled[rows], policy.window_size(end.logical, end.kept))
-            row_gain = policy.window_gain(end.logical, end.kept)
+            row_gain = policy.window_gain(end.logical, end.kept, self.buffers.geometry.head_size)
             if row_gain is not None:
                 gain[rows] = row_gain
             reset[rows] = end.now

@@ -114,7 +114,7 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
             accumulated = None
             if policy.accumulates_window and not from_ring:
                 accumulated = WindowStep(recorded=scheduled, count=scheduled,
-                                         gain=policy.window_gain(lengths, lengths), reset=evicting)
+                                         gain=policy.window_gain(lengths, lengths, d), reset=evicting)
             group = build_group(policy, phase, table, page, lengths=lengths, computed=lengths - scheduled,
                                 scheduled=scheduled, seed=np.zeros(2, dtype=np.int64),
                                 keep=lengths if evicting else None,  # keep everything: nothing moves

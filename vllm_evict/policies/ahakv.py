@@ -23,13 +23,15 @@ eviction (i <= k there).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_evict import dense
 from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, Phase, Policy, StepResult
-from vllm_evict.policies.options import check_int, check_odd_kernel
+from vllm_evict.policies.options import check_choice, check_int, check_odd_kernel
 from vllm_evict.policies.score_ops import DENSE, ScoreOps
 
 
@@ -38,6 +40,9 @@ def sg_gain_host(length: np.ndarray, budget: np.ndarray) -> np.ndarray:
     i, k = length.astype(np.float64), budget.astype(np.float64)
     ratio = np.where((i > 0) & (k > 0), i / np.maximum(k, 1.0), 1.0)
     return np.sqrt(2.0 * np.maximum(np.log(ratio), 0.0)).astype(np.float32)
+
+
+GAINS = ("raw", "scaled", "none")
 
 
 def sg_gain(length: Tensor, budget: Tensor) -> Tensor:
@@ -73,6 +78,7 @@ class AhaKV(Policy):
     recent: int = 32  # the observation window r = B_r, whose tokens are also kept
     value_kernel: int = 5  # odd average-pooling kernel of the value prior
     sinks: int = 0
+    gain: str = "raw"  # what the paper's lambda multiplies: "raw" q.k, the "scaled" logits, or "none"
 
     @property
     def query_window(self) -> int:
@@ -82,12 +88,16 @@ class AhaKV(Policy):
         check_int("recent", self.recent, minimum=1)
         check_odd_kernel("value_kernel", self.value_kernel)
         check_int("sinks", self.sinks)
+        check_choice("gain", self.gain, GAINS)
 
     def protected_count(self, budget: int) -> int:
         return self.recent + self.sinks
 
-    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
-        return sg_gain_host(seq_len, budget)
+    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray, head_size: int) -> np.ndarray | None:
+        if self.gain == "none":
+            return None
+        eta = sg_gain_host(seq_len, budget)
+        return eta / np.float32(math.sqrt(head_size)) if self.gain == "scaled" else eta
 
     # ---- per-token state -----------------------------------------------------------------
     def init_state(self, new_keys: Tensor, new_values: Tensor, o_proj: Tensor | None,
@@ -121,14 +131,22 @@ class AhaKV(Policy):
         return state
 
     # ---- scoring ---------------------------------------------------------------------------
-    def gain(self, inp: EvictionInputs) -> Tensor:
-        """eta per row: i = the logical length, k = the budget (see the module docstring)."""
+    def logit_gain(self, inp: EvictionInputs) -> Tensor | None:
+        """The factor on the scaled logits q.k/sqrt(d), per row (None: 1, a plain softmax), by ``gain``:
+        ``raw``: lambda = sqrt(2 ln(i/k) / d) times the raw q.k (Eq. 12 as derived), i.e. eta = sqrt(2 ln(i/k));
+        ``scaled``: lambda times the already-scaled logits (Algorithm 1 read literally), eta = lambda;
+        ``none``: no gain. i = the logical length, k = the budget (see the module docstring)."""
+        if self.gain == "none":
+            return None
         k = inp.budget if inp.budget is not None else inp.lengths
-        return sg_gain(inp.seq_len, k)
+        eta = sg_gain(inp.seq_len, k)
+        if self.gain == "scaled":
+            eta = eta / math.sqrt(inp.queries.shape[-1])
+        return eta
 
     def window_score(self, inp: EvictionInputs) -> Tensor:
         """F [R, H_kv, N]: SG-softmax rows of the last r queries, summed over rows and the GQA group (§3.4, §3.6)."""
-        return inp.window_mass(count=self.recent, gain=self.gain(inp))
+        return inp.window_mass(count=self.recent, gain=self.logit_gain(inp))
 
     def refined_score(self, inp: EvictionInputs) -> Tensor:
         """F_hat = gamma_bar * F (Eq. 15), fp32 [R, H_kv, N], finite and non-negative."""
@@ -137,7 +155,7 @@ class AhaKV(Policy):
 
     def decode_increment(self, inp: EvictionInputs) -> Tensor:
         """SG-softmax row(s) of this step's queries (the last ``num_new``), summed over the group."""
-        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(inp.num_new), gain=self.gain(inp))
+        return inp.ops.window_mass(inp, query_positions=inp.latest_query_positions(inp.num_new), gain=self.logit_gain(inp))
 
     def ranking(self, inp: EvictionInputs) -> Tensor:
         """What a selection ranks by: F_hat in a prompt phase, the accumulated ``score`` in decode.

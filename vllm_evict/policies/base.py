@@ -298,8 +298,9 @@ class Policy(ABC):
         The engine accumulates exactly the last that many queries before the eviction."""
         return np.full(len(seq_len), self.query_window or 0, dtype=np.int64)
 
-    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray | None:
-        """The logit gain of the window's softmax rows per row (None: 1), for the same eviction."""
+    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray, head_size: int) -> np.ndarray | None:
+        """The logit gain of the window's softmax rows per row (None: 1), for the same eviction
+        (``head_size``: the attention's d, for gains defined on the raw q.k)."""
         return None
 
     def protected_count(self, budget: int) -> int:
@@ -433,8 +434,8 @@ class MetaPolicy(Policy):
     def window_size(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
         return self.base.window_size(seq_len, budget)
 
-    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray | None:
-        return self.base.window_gain(seq_len, budget)
+    def window_gain(self, seq_len: np.ndarray, budget: np.ndarray, head_size: int) -> np.ndarray | None:
+        return self.base.window_gain(seq_len, budget, head_size)
 
     def protected_count(self, budget: int) -> int:
         return self.base.protected_count(budget)

@@ -11,10 +11,13 @@ Spec: nacl.md. Per KV head h, with the spec's recommended resolutions ([R]):
   tokens taken by top-k of F, and B_rand = R - B_prox tokens sampled WITHOUT replacement with
   probability proportional to softmax(F / temperature) over the candidates left (Gumbel-top-k).
 
-Proxy count: the option ``proxy`` fixes n_p; ``None`` (default) uses the spec's rule
-n_p = min(max(32, ceil(p / 10)), floor((B - sinks) / 2)) with p the logical length, further bounded
-by the query buffer (``MAX_PROXY``; in an engine also by its ``max_window``, see ``cap_query_window``)
-and by the queries available.
+Proxy count: NaCl's proxy tokens are the question (paper §3, §5.1). An engine cannot see where a
+prompt's question starts, so a request that knows says it: ``proxy`` = the question's token count (per
+request: ``kv_eviction_config: {"proxy": N}``). Without it (``proxy=None``) the proxies are the last
+``DEFAULT_PROXY`` = 32 tokens, the tail where a chat prompt's question sits (the size of SnapKV's
+observation window), bounded by ⌊(B - sinks) / 2⌋ (half the non-sink budget stays for selection) and by
+the queries available. The spec's earlier rule, 10% of the prompt, spent up to half the budget on a
+protected tail that is mostly document, not question (docs/benchmarks/quality.md measures both).
 
 The random stream: Gumbel noise comes from a counter-based hash of (request seed, layer, global KV
 head, logical length, token position) (``vllm_evict.dense.uniform_hash``), so the same request
@@ -65,33 +68,33 @@ class NaClSelection:
 
 class NaCl(Policy):
     name = "nacl"
-    summary = "top-k of attention from proxy queries (the prompt tail) plus tokens sampled from its softmax"
+    summary = "top-k of attention from proxy queries (the question, or the last 32 tokens) plus tokens sampled from its softmax"
     paper = "Chen et al., NaCl: A General and Effective KV Cache Eviction Framework for LLMs at Inference Time (ACL 2024)"
     one_shot = True
     is_attention_mass = True
     state_names = (WINDOW_MASS,)
-    proxy: int | None = None  # n_p proxy queries; None: the spec's rule
+    proxy: int | None = None  # n_p proxy queries (the question's tokens); None: DEFAULT_PROXY, capped
     sinks: int = 4
     random_ratio: float = 7 / 19  # the share of the free budget drawn at random
     temperature: float = 1.0  # of the softmax the random part samples from
 
-    # Queries the engine buffers when ``proxy`` is None (the rule's n_p is sliced from them).
-    MAX_PROXY = 1024
+    # Proxies when the request does not say (the tail of the prompt, where the question is).
+    DEFAULT_PROXY = 32
 
     @property
     def query_window(self) -> int:
-        return self.MAX_PROXY if self.proxy is None else self.proxy
+        return self.DEFAULT_PROXY if self.proxy is None else self.proxy
 
     def window_for(self, budget: int | None) -> int:
-        # The rule's n_p never exceeds floor((B - sinks) / 2): a ring that wide is all a request needs.
+        # The default never exceeds floor((B - sinks) / 2): a ring that wide is all a request needs.
         if self.proxy is not None or budget is None:
             return self.query_window
-        return min(self.MAX_PROXY, max(1, self._rule_cap(budget)))
+        return min(self.DEFAULT_PROXY, max(1, self._rule_cap(budget)))
 
     def cap_query_window(self, limit: int) -> None:
-        # The rule's n_p is also bounded by the queries the engine keeps (its max_window).
+        # The default n_p is also bounded by the widest window the engine reserves (its max_window).
         if self.proxy is None:
-            self.MAX_PROXY = max(1, min(type(self).MAX_PROXY, limit))
+            self.DEFAULT_PROXY = max(1, min(type(self).DEFAULT_PROXY, limit))
 
     def check_options(self) -> None:
         if self.proxy is not None:
@@ -101,13 +104,13 @@ class NaCl(Policy):
         check_float("temperature", self.temperature, low=1e-4, high=1e4)
 
     def _rule_cap(self, budget: int) -> int:
-        """floor((B - sinks) / 2): the spec's cap that leaves half the non-sink budget to selection."""
+        """floor((B - sinks) / 2): the cap that leaves half the non-sink budget to selection."""
         return max(0, (budget - self.sinks) // 2)
 
     def protected_count(self, budget: int) -> int:
         if self.proxy is not None:
             return self.sinks + self.proxy
-        return self.sinks + min(self.MAX_PROXY, self._rule_cap(budget))
+        return self.sinks + min(self.DEFAULT_PROXY, self._rule_cap(budget))
 
     def validate(self, budget: int) -> None:
         if self.proxy is None and self._rule_cap(budget) < 1:
@@ -117,22 +120,22 @@ class NaCl(Policy):
 
     # ---- scoring ---------------------------------------------------------------------------
     def proxy_rule(self, seq_len: Tensor | np.ndarray, budget: Tensor | np.ndarray | None) -> Tensor | np.ndarray:
-        """n_p per row before the queries available are counted: ``proxy``, or the spec's rule at logical
-        length ``seq_len`` (int64, torch or numpy alike; ``budget`` None: the rule's cap is not applied)."""
+        """n_p per row before the queries available are counted: ``proxy``, or ``DEFAULT_PROXY`` capped at
+        floor((B - sinks) / 2) (int64, torch or numpy alike; ``budget`` None: the cap is not applied)."""
         if self.proxy is not None:
             return seq_len * 0 + self.proxy
-        n_p = (seq_len + 9) // 10  # ceil(p / 10)
+        n_p = seq_len * 0 + self.DEFAULT_PROXY
+        if budget is None:
+            return n_p
         if isinstance(n_p, np.ndarray):
-            n_p = np.clip(n_p, 32, self.MAX_PROXY)
-            return n_p if budget is None else np.minimum(n_p, np.maximum((budget - self.sinks) // 2, 0))
-        n_p = n_p.clamp(32, self.MAX_PROXY)
-        return n_p if budget is None else torch.minimum(n_p, ((budget - self.sinks) // 2).clamp_min(0))
+            return np.minimum(n_p, np.maximum((budget - self.sinks) // 2, 0))
+        return torch.minimum(n_p, ((budget - self.sinks) // 2).clamp_min(0))
 
     def window_size(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
         return np.asarray(self.proxy_rule(seq_len.astype(np.int64), budget.astype(np.int64)), dtype=np.int64)
 
     def proxy_count(self, inp: EvictionInputs) -> Tensor:
-        """n_p per row [R] (see the module docstring); with no budget the rule's cap is not applied."""
+        """n_p per row [R] (see the module docstring); with no budget the cap is not applied."""
         return torch.minimum(self.proxy_rule(inp.seq_len.long(), inp.budget), inp.window_queries())
 
     def proxy_score(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:

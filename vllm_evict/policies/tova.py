@@ -1,7 +1,9 @@
 """TOVA, Token Omission Via Attention (Oren et al., 2024): keep the tokens the newest query attends to.
 
-The score is the attention row of the last query (the last token of a prefill block, or the token
-being decoded). Option ``heads`` says over which query heads it is averaged:
+The score is the attention row of the last query (the last prompt token, or the token being decoded).
+As in the authors' release, the cache is cut to the budget once the whole prompt has been processed
+(one-shot), then while decoding; ``schedule="chunked"`` evicts after every prompt chunk instead, with each
+chunk's last query. Option ``heads`` says over which query heads it is averaged:
 
 - ``"layer"`` (default): over all H_q query heads of the layer, as the TOVA paper and NVIDIA kvpress do,
   so every KV head of a layer keeps the same tokens;
@@ -51,7 +53,9 @@ class TOVA(SinksAndRecent):
     name = "tova"
     summary = "attention of the newest query (mean over the layer's query heads); evicts what it ignores"
     paper = "Oren et al., Transformers are Multi-State RNNs (TOVA, 2024)"
-    one_shot = False
+    # The release (tova_cache.py) runs the prompt in one forward and cuts the cache to its size after it
+    # (one score row: the last prompt token's), then drops one token per decoding step: one-shot.
+    one_shot = True
     is_attention_mass = True
     state_names = (WINDOW_MASS,)
     heads: str = "layer"  # "layer" or "group": which query heads the newest row is averaged over

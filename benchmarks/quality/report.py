@@ -1,0 +1,367 @@
+"""Tables and plots from a results file: what docs/benchmarks/quality.md shows.
+
+Scores: a (method, ratio) scores the mean over tasks of the task's mean sample score (each task counts the
+same, however many samples it has), in points (0-100). Only tasks that every compared row has results for
+enter a comparison, so a partial run compares like with like.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from benchmarks.quality import methods as M
+from benchmarks.quality.results import read
+from benchmarks.quality.tasks import TASKS
+
+SETTING_TITLES = {"aware": "query-aware (question inside the compressed prompt)",
+                  "agnostic": "query-agnostic (context compressed before the question)"}
+
+
+class Table:
+    """Scores indexed by (backend, setting, method, ratio) -> task -> list of sample scores."""
+
+    def __init__(self, records: Iterable[dict[str, Any]]) -> None:
+        self.scores: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.realised: dict[tuple, list[float]] = defaultdict(list)
+        self.errors: dict[tuple, str] = {}
+        for r in records:
+            key = (r["backend"], r["setting"], r["method"], r["ratio"])
+            if r.get("error"):
+                self.errors[key] = r["error"]
+                continue
+            self.scores[key][r["task"]].append(float(r["score"]))
+            if r.get("realised_ratio") is not None:
+                self.realised[key].append(float(r["realised_ratio"]))
+
+    def tasks(self, keys: Sequence[tuple]) -> list[str]:
+        """Tasks every key has results for, in suite order."""
+        present = [set(self.scores[k]) for k in keys if k in self.scores]
+        common = set.intersection(*present) if present else set()
+        return [t for t in TASKS if t in common]
+
+    def score(self, key: tuple, tasks: Sequence[str]) -> float | None:
+        if key not in self.scores or not tasks:
+            return None
+        per_task = [sum(self.scores[key][t]) / len(self.scores[key][t]) for t in tasks]
+        return 100.0 * sum(per_task) / len(per_task)
+
+    def task_score(self, key: tuple, task: str) -> float | None:
+        values = self.scores.get(key, {}).get(task)
+        return 100.0 * sum(values) / len(values) if values else None
+
+    def realised_ratio(self, key: tuple) -> float | None:
+        values = self.realised.get(key)
+        return sum(values) / len(values) if values else None
+
+    def methods(self, backend: str, setting: str) -> list[str]:
+        names = {k[2] for k in self.scores if k[0] == backend and k[1] == setting}
+        order = list(M.ALL_METHODS) if backend == "engine" else ["full", *M.PRESS_TWINS]
+        return [n for n in order if n in names] + sorted(names - set(order))
+
+    def ratios(self, backend: str, setting: str, every: bool = False) -> list[float]:
+        """The suite's ratios this backend and setting have results at (``every``: other ratios too)."""
+        found = {k[3] for k in self.scores if k[0] == backend and k[1] == setting and k[3] > 0}
+        return sorted(found if every else found & set(M.RATIOS))
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def load(files: Sequence[Path], *, model: str, dtype: str, length: int) -> Table:
+    return Table(r for path in files for r in read(path) if r.get("model") == model and r.get("dtype") == dtype
+                 and r.get("length") == length)
+
+
+def method_table(table: Table, backend: str, setting: str) -> tuple[str, list[str]]:
+    """Markdown: one row per method, its score at each ratio and the mean; the full cache on top."""
+    ratios = table.ratios(backend, setting)
+    names = table.methods(backend, setting)
+    keys = [(backend, setting, n, r) for n in names for r in ([0.0] if n == "full" else ratios)]
+    tasks = table.tasks(keys)
+    rows = []
+    for name in names:
+        if name == "full":
+            continue
+        cells = [table.score((backend, setting, name, r), tasks) for r in ratios]
+        mean = sum(c for c in cells if c is not None) / len(cells) if all(c is not None for c in cells) else None
+        rows.append((mean if mean is not None else -1.0, name, cells))
+    rows.sort(key=lambda row: -row[0])
+    full = table.score((backend, setting, "full", 0.0), tasks)
+    header = "| method | " + " | ".join(f"ratio {r:g}" for r in ratios) + " | mean |\n"
+    header += "|---|" + "---|" * (len(ratios) + 1) + "\n"
+    lines = [f"| full cache | " + " | ".join(_fmt(full) for _ in ratios) + f" | {_fmt(full)} |"]
+    for mean, name, cells in rows:
+        lines.append(f"| {name} | " + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(mean if mean >= 0 else None)} |")
+    return header + "\n".join(lines) + "\n", tasks
+
+
+def task_table(table: Table, backend: str, setting: str, ratio: float) -> str:
+    names = [n for n in table.methods(backend, setting)]
+    tasks = [t for t in TASKS if any(table.task_score((backend, setting, n, ratio if n != "full" else 0.0), t)
+                                     is not None for n in names)]
+    header = "| method | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks) + "\n"
+    lines = []
+    for name in names:
+        key = (backend, setting, name, 0.0 if name == "full" else ratio)
+        lines.append(f"| {name} | " + " | ".join(_fmt(table.task_score(key, t), 0) for t in tasks) + " |")
+    return header + "\n".join(lines) + "\n"
+
+
+READING_GROUPS = {
+    "AhaKV's gain": ("ahakv", "ahakv:gain=scaled", "ahakv:gain=none"),
+    "NaCl's proxies and random share": ("nacl", "nacl:proxy=question", "nacl:proxy=10%", "nacl:random=0.7",
+                                        "nacl:random=0"),
+    "H2O's recent window, accumulation and schedule": ("h2o", "h2o:recent=0", "h2o:mean", "h2o:kvpress",
+                                                       "h2o:chunked"),
+    "TOVA's schedule": ("tova", "tova:chunked"),
+    "CriticalKV's pooling": ("criticalkv+snapkv", "criticalkv+snapkv:max"),
+}
+
+
+def readings_table(table: Table, setting: str, names: Sequence[str]) -> str | None:
+    """One row per reading, one column per (task, ratio) that at least two of them have results for."""
+    present = [n for n in names if any(k[0] == "engine" and k[1] == setting and k[2] == n for k in table.scores)]
+    if len(present) < 2:
+        return None
+    cells = sorted({(t, k[3]) for k in table.scores if k[0] == "engine" and k[1] == setting and k[2] in present
+                    and k[3] > 0
+                    for t in table.scores[k]}, key=lambda c: (list(TASKS).index(c[0]), c[1]))
+    cells = [c for c in cells
+             if sum(table.task_score(("engine", setting, n, c[1]), c[0]) is not None for n in present) >= 2]
+    if not cells:
+        return None
+    header = "| reading | " + " | ".join(f"{t} {r:g}" for t, r in cells) + " |\n|---|" + "---|" * len(cells) + "\n"
+    return header + "\n".join(
+        f"| {n} | " + " | ".join(_fmt(table.task_score(("engine", setting, n, r), t), 0) for t, r in cells) + " |"
+        for n in present) + "\n"
+
+
+def full_table(table: Table) -> str:
+    """The full cache's score per task, for each backend and setting."""
+    rows = [(b, s) for b in ("engine", "kvpress") for s in ("aware", "agnostic")
+            if (b, s, "full", 0.0) in table.scores]
+    tasks = [t for t in TASKS if any(table.task_score((b, s, "full", 0.0), t) is not None for b, s in rows)]
+    header = "| backend, setting | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks) + "\n"
+    return header + "\n".join(f"| {b}, {s} | " + " | ".join(_fmt(table.task_score((b, s, "full", 0.0), t), 0)
+                                                           for t in tasks) + " |" for b, s in rows) + "\n"
+
+
+def side_by_side(table: Table, setting: str) -> str:
+    """Engine configuration vs its kvpress press, per ratio, over the tasks both have."""
+    ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
+    header = ("| kvpress press | engine method | " + " | ".join(f"{r:g}: kvpress / engine (diff)" for r in ratios)
+              + " | max abs diff |\n|---|---|" + "---|" * (len(ratios) + 1) + "\n")
+    lines = []
+    pairs = [("full", "full")] + list(M.PRESS_TWINS.items())
+    for press, twin in pairs:
+        cells, diffs = [], []
+        for r in ([0.0] * len(ratios) if press == "full" else ratios):
+            k, e = ("kvpress", setting, press, r), ("engine", setting, twin, r)
+            tasks = table.tasks([k, e])
+            a, b = table.score(k, tasks), table.score(e, tasks)
+            if a is None or b is None:
+                cells.append("")
+                continue
+            diffs.append(abs(b - a))
+            cells.append(f"{a:.1f} / {b:.1f} ({b - a:+.1f})")
+        if any(cells):
+            lines.append(f"| {press} | {twin} | " + " | ".join(cells) + f" | {_fmt(max(diffs) if diffs else None)} |")
+    return header + "\n".join(lines) + "\n"
+
+
+def realised_table(table: Table, backend: str, setting: str) -> str:
+    ratios = table.ratios(backend, setting)
+    header = "| method | " + " | ".join(f"asked {r:g}" for r in ratios) + " |\n|---|" + "---|" * len(ratios) + "\n"
+    lines = []
+    for name in table.methods(backend, setting):
+        if name == "full":
+            continue
+        lines.append(f"| {name} | " + " | ".join(_fmt(table.realised_ratio((backend, setting, name, r)), 4)
+                                                 for r in ratios) + " |")
+    return header + "\n".join(lines) + "\n"
+
+
+def claims(table: Table) -> str:
+    """The papers' claims checked on the engine's numbers (query-aware unless stated)."""
+    out = []
+
+    def s(setting: str, method: str, ratio: float, tasks: Sequence[str]) -> float | None:
+        return table.score(("engine", setting, method, ratio), tasks)
+
+    for setting in ("aware", "agnostic"):
+        ratios = table.ratios("engine", setting)
+        if not ratios:
+            continue
+        pairs = [(f"{meta}+{base}", base) for meta in ("caote", "fastcaote") for base in ("snapkv", "h2o", "tova")]
+        pairs += [("criticalkv+snapkv", "snapkv")]
+        for better, base in pairs:
+            rows = []
+            for r in ratios:
+                keys = [("engine", setting, better, r), ("engine", setting, base, r)]
+                tasks = table.tasks(keys)
+                a, b = s(setting, better, r, tasks), s(setting, base, r, tasks)
+                if a is not None and b is not None:
+                    rows.append(f"{r:g}: {a:.1f} vs {b:.1f} {'ok' if a >= b else 'NOT'}")
+            if rows:
+                out.append(f"* {setting}: {better} >= {base}: " + "; ".join(rows))
+        top = max(ratios)
+        tasks = table.tasks([("engine", setting, "ahakv", top), ("engine", setting, "snapkv", top)])
+        a, b = s(setting, "ahakv", top, tasks), s(setting, "snapkv", top, tasks)
+        if a is not None and b is not None:
+            out.append(f"* {setting}: ahakv >= snapkv at the smallest budget (ratio {top:g}): {a:.1f} vs {b:.1f} "
+                       f"{'ok' if a >= b else 'NOT'}")
+        if 0.75 in ratios and setting == "aware":
+            for name in ("nacl", "nacl:proxy=question"):
+                tasks = table.tasks([("engine", setting, name, 0.75), ("engine", setting, "full", 0.0)])
+                a, f = s(setting, name, 0.75, tasks), s(setting, "full", 0.0, tasks)
+                if a is not None and f:
+                    out.append(f"* {setting}: {name} >= 90% of the full cache at ratio 0.75: {a:.1f} vs "
+                               f"0.9 x {f:.1f} = {0.9 * f:.1f} {'ok' if a >= 0.9 * f else 'NOT'}")
+        if 0.5 in ratios:
+            names = [n for n in table.methods("engine", setting) if n != "full"]
+            keys = [("engine", setting, n, 0.5) for n in names] + [("engine", setting, "full", 0.0)]
+            tasks = table.tasks(keys)
+            scored = [(s(setting, n, 0.5, tasks), n) for n in names]
+            scored = [x for x in scored if x[0] is not None]
+            f = s(setting, "full", 0.0, tasks)
+            if scored and f is not None:
+                best, name = max(scored)
+                out.append(f"* {setting}: best method at ratio 0.5 within 5 points of the full cache: {name} "
+                           f"{best:.1f} vs {f:.1f} {'ok' if best >= f - 5 else 'NOT'}")
+    return "\n".join(out) + "\n"
+
+
+def plot(table: Table, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    settings = [s for s in ("aware", "agnostic") if table.ratios("engine", s)]
+    if settings:
+        fig, axes = plt.subplots(1, len(settings), figsize=(7 * len(settings), 5), squeeze=False)
+        for ax, setting in zip(axes[0], settings):
+            ratios = table.ratios("engine", setting)
+            names = [n for n in table.methods("engine", setting) if n in {m.name for m in M.DEFAULTS}]
+            keys = [("engine", setting, n, r) for n in names for r in ratios] + [("engine", setting, "full", 0.0)]
+            tasks = table.tasks(keys)
+            for name in names:
+                ys = [table.score(("engine", setting, name, r), tasks) for r in ratios]
+                style = "--" if "+" in name else "-"
+                ax.plot(ratios, ys, style, marker="o", label=name)
+            full = table.score(("engine", setting, "full", 0.0), tasks)
+            if full is not None:
+                ax.axhline(full, color="black", lw=1, label="full cache")
+            ax.set_title(SETTING_TITLES[setting], fontsize=10)
+            ax.set_xlabel("compression ratio (fraction of the prompt evicted)")
+            ax.set_ylabel(f"score, mean of {len(tasks)} tasks")
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = out / "quality_methods.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    for setting in settings:
+        ratios = table.ratios("engine", setting)
+        names = [n for n in table.methods("engine", setting) if n in {m.name for m in M.DEFAULTS}]
+        tasks = [t for t in TASKS if table.task_score(("engine", setting, "full", 0.0), t) is not None]
+        if not tasks:
+            continue
+        cols = 3
+        rows = (len(tasks) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+        for ax, task in zip(axes.flat, tasks):
+            for name in names:
+                ys = [table.task_score(("engine", setting, name, r), task) for r in ratios]
+                ax.plot(ratios, ys, "--" if "+" in name else "-", marker=".", label=name)
+            full = table.task_score(("engine", setting, "full", 0.0), task)
+            if full is not None:
+                ax.axhline(full, color="black", lw=1)
+            ax.set_title(task, fontsize=9)
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(tasks):]:
+            ax.axis("off")
+        axes[0][0].legend(fontsize=6, ncol=2)
+        fig.suptitle(SETTING_TITLES[setting], fontsize=10)
+        fig.tight_layout()
+        path = out / f"quality_tasks_{setting}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    pairs = [(p, t) for p, t in M.PRESS_TWINS.items()
+             if any(table.ratios("kvpress", s) for s in settings)]
+    if pairs:
+        cols = 4
+        rows = (len(pairs) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+        for ax, (press, twin) in zip(axes.flat, pairs):
+            for setting, color in (("aware", "tab:blue"), ("agnostic", "tab:orange")):
+                ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
+                for backend, method, style in (("kvpress", press, "--"), ("engine", twin, "-")):
+                    ys = []
+                    for r in ratios:
+                        tasks = table.tasks([("kvpress", setting, press, r), ("engine", setting, twin, r)])
+                        ys.append(table.score((backend, setting, method, r), tasks))
+                    ax.plot(ratios, ys, style, color=color, marker="o", label=f"{backend} {setting}")
+            ax.set_title(f"{twin} vs kvpress {press}", fontsize=8)
+            ax.set_ylim(-2, 102)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(pairs):]:
+            ax.axis("off")
+        axes[0][0].legend(fontsize=6)
+        fig.tight_layout()
+        path = out / "quality_kvpress.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Path) -> Path:
+    """results.md (every table) and the PNGs into ``out``, from the records of ``files``."""
+    table = load(files, model=model, dtype=dtype, length=length)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"# Quality suite results: {model}, {dtype}, {length} tokens\n",
+             f"Generated by `python -m benchmarks.quality report` from {', '.join(f'`{p.name}`' for p in files)}. "
+             "Scores in points "
+             "(mean over tasks of each task's mean sample score, string_match_all).\n"]
+    for setting in ("aware", "agnostic"):
+        for backend in ("engine", "kvpress"):
+            if not table.ratios(backend, setting):
+                continue
+            text, tasks = method_table(table, backend, setting)
+            parts.append(f"## {backend}, {SETTING_TITLES[setting]}\n\nTasks: {', '.join(tasks)}.\n\n{text}")
+        if table.ratios("kvpress", setting) and table.ratios("engine", setting):
+            parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
+    parts.append(f"## Full cache, per task\n\n{full_table(table)}")
+    parts.append(f"## The papers' claims on these numbers\n\n{claims(table)}")
+    readings = []
+    for setting in ("aware", "agnostic"):
+        for title, names in READING_GROUPS.items():
+            text = readings_table(table, setting, names)
+            if text:
+                readings.append(f"### {title}, {setting}\n\n{text}")
+    if readings:
+        parts.append("## The papers' readings (engine; cells: task, ratio)\n\n" + "\n".join(readings))
+    for setting in ("aware", "agnostic"):
+        for backend in ("engine", "kvpress"):
+            for r in table.ratios(backend, setting):
+                parts.append(f"### per task: {backend}, {setting}, ratio {r:g}\n\n{task_table(table, backend, setting, r)}")
+    for setting in ("aware", "agnostic"):
+        if table.ratios("engine", setting):
+            parts.append(f"### realised compression ratio, engine, {setting}\n\n{realised_table(table, 'engine', setting)}")
+    if table.errors:
+        parts.append("### refused configurations\n\n" + "\n".join(
+            f"* {k[1]} {k[2]} ratio {k[3]:g}: {v}" for k, v in sorted(table.errors.items())) + "\n")
+    for path in plot(table, out):
+        parts.append(f"![{path.stem}]({path.name})\n")
+    md = out / "results.md"
+    md.write_text("\n".join(parts))
+    return md

@@ -1,0 +1,206 @@
+"""The quality suite's pure parts (benchmarks/quality): generators, prompt fitting, scoring, the results
+file and the report's arithmetic. No model runs; the tokenizer is SmolLM2's (a few seconds)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import pytest
+
+from benchmarks.quality import methods as M
+from benchmarks.quality import prompts as P
+from benchmarks.quality import report, tasks
+from benchmarks.quality.results import Store, key_of
+from benchmarks.quality.scoring import mean_percent, string_match_all
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+# ---- generators ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", list(tasks.TASKS))
+def test_samples_are_reproducible_and_differ_by_index_and_seed(task):
+    size = 40
+    a = tasks.make_sample(task, 4096, 3, size)
+    assert a == tasks.make_sample(task, 4096, 3, size)  # same arguments, same sample, every field
+    assert a.context != tasks.make_sample(task, 4096, 4, size).context
+    assert a.answers != tasks.make_sample(task, 4096, 3, size, seed=1).answers
+    assert a.sample_id == f"{task}/4096/3" and a.max_new_tokens == tasks.TASKS[task].max_new_tokens
+
+
+def test_sample_text_is_pinned():
+    """The generators' output must not drift silently: results files are keyed by (task, length, index)."""
+    s = tasks.make_sample("niah_single_prose", 2048, 0, 6)
+    assert s.answers == ("2017025",)
+    assert s.question == "What is the special magic number for hidden-lumber mentioned in the text above?"
+    assert s.context.endswith("One of the special magic numbers for hidden-lumber is: 2017025. In the evening, the "
+                              "rope and the knife were left beside the north road. A quiet doctor said that the "
+                              "mango looked deep in early spring. It is said that a shy student once discovered a "
+                              "stove made of wolf.")
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single_noise", "niah_single_prose", "niah_multikey",
+                                  "niah_multivalue", "niah_multiquery"])
+def test_every_expected_number_is_in_the_context_once(task):
+    s = tasks.make_sample(task, 4096, 5, 60)
+    for answer in s.answers:
+        assert len(re.findall(rf"(?<!\d){answer}(?!\d)", s.context)) == (2 if task == "passkey" else 1), answer
+    numbers = set(re.findall(r"\d+", s.context))  # the haystacks hold no digits
+    if task == "niah_multikey":  # three distractor needles with other keys and numbers
+        assert len(numbers) == 4 and s.answers[0] in numbers
+    else:
+        assert numbers == set(s.answers)
+
+
+def test_needle_depth_follows_the_sample_index():
+    depths = [tasks.depth_of(i) for i in range(8)]
+    assert all(0.05 <= d <= 0.95 for d in depths) and len(set(depths)) == 8
+    for index in (0, 1, 2):
+        s = tasks.make_sample("niah_single_noise", 4096, index, 200)
+        at = s.context.index("One of the special magic numbers")
+        assert at / len(s.context) == pytest.approx(tasks.depth_of(index), abs=0.02)
+
+
+def test_variable_tracking_chain():
+    s = tasks.make_sample("vt", 4096, 2, 80)
+    names = list(s.answers)
+    assert len(names) == tasks.VT_HOPS + 1 and len(set(names)) == len(names)
+    value = re.search(r"the value (\d+)", s.question).group(1)
+    first = s.context.index(f"VAR {names[0]} = {value}.")
+    hops = [s.context.index(f"VAR {names[k]} = VAR {names[k - 1]}.") for k in range(1, len(names))]
+    assert first < hops[0] and hops == sorted(hops)  # the chain appears in order
+
+
+def test_common_words_are_the_most_common():
+    s = tasks.make_sample("cwe", 4096, 1, 120)
+    counts = collections.Counter(re.findall(r"\d+\. (\w+)", s.context))
+    assert set(s.answers) == {w for w, _ in counts.most_common(tasks.CWE_COMMON)}
+    assert min(counts[w] for w in s.answers) == tasks.cwe_common_repeats(4096) == 30
+    assert max(c for w, c in counts.items() if w not in s.answers) == tasks.CWE_RARE_REPEATS
+    assert tasks.cwe_common_repeats(2048) == 15
+
+
+def test_frequent_words_follow_zipf_counts():
+    s = tasks.make_sample("fwe", 4096, 0, 900)
+    counts = collections.Counter(s.context.split("\n\n", 1)[1].split())
+    top = [w for w, _ in counts.most_common(3)]
+    assert top == list(s.answers)
+    assert [counts[w] for w in top] == [900, 225, 100]  # floor(900 / r^2)
+
+
+# ---- prompts --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", ["passkey", "niah_multiquery", "fwe"])
+def test_fit_takes_the_largest_haystack_that_fits(tokenizer, task):
+    p = P.fit(tokenizer, task, 1024, 0)
+    budget = 1024 - tasks.TASKS[task].max_new_tokens
+    assert budget - 120 < p.num_tokens <= budget
+    bigger = P.build(tokenizer, tasks.make_sample(task, 1024, 0, p.sample.size + 1))
+    assert bigger.num_tokens > budget
+    # Lengths are the model's own token counts: the ids are what the tokenizer makes of the parts.
+    assert list(p.context_ids) == tokenizer.encode(P.template_parts(tokenizer, p.sample.context)[0],
+                                                   add_special_tokens=False)
+
+
+def test_prompt_parts_split_the_chat_template_at_the_question(tokenizer):
+    p = P.fit(tokenizer, "niah_single_noise", 512, 0)
+    text = tokenizer.decode(p.ids)
+    whole = tokenizer.apply_chat_template([{"role": "user", "content": p.sample.context + "\n\n" + p.sample.question}],
+                                          add_generation_prompt=True, tokenize=False) + p.sample.answer_prefix
+    assert text == whole
+    question = tokenizer.decode(p.question_ids)
+    assert question.startswith("\n\n" + p.sample.question) and question.endswith(p.sample.answer_prefix)
+    assert p.sample.question not in tokenizer.decode(p.context_ids)
+
+
+def test_fit_refuses_a_length_too_short(tokenizer):
+    with pytest.raises(ValueError, match="cwe: even the smallest haystack does not fit in 300 tokens"):
+        P.fit(tokenizer, "cwe", 300, 0)
+
+
+# ---- scoring --------------------------------------------------------------------------------------
+def test_string_match_all():
+    assert string_match_all(" 4817263.", ("4817263",)) == 1.0
+    assert string_match_all(" 481726.", ("4817263",)) == 0.0
+    assert string_match_all("ALPHA, beta", ("alpha", "Beta", "gamma", "delta")) == 0.5
+    assert string_match_all("anything", ()) == 0.0
+    assert mean_percent([1.0, 0.5, 0.0, 0.5]) == 50.0 and mean_percent([]) is None
+
+
+def test_kept_tokens_is_kvpress_rule():
+    from kvpress.utils import compute_n_kept
+
+    for span in (100, 495, 4037, 4074):
+        for ratio in M.RATIOS:
+            assert M.kept_tokens(span, ratio) == compute_n_kept(span, ratio)
+
+
+def test_method_placeholders():
+    nacl = M.ALL_METHODS["nacl:proxy=question"]
+    assert nacl.options_for(question_tokens=37, span=4000, budget=1000) == {"proxy": 37}
+    tenth = M.ALL_METHODS["nacl:proxy=10%"]
+    assert tenth.options_for(37, 4000, 1000) == {"proxy": 400}
+    assert tenth.options_for(37, 4000, 500) == {"proxy": 248}  # (500 - 4) // 2
+    assert set(M.PRESS_TWINS.values()) <= set(M.ALL_METHODS)
+    for profile in M.PROFILES.values():
+        assert set(profile) <= set(M.ALL_METHODS)
+
+
+# ---- results file ---------------------------------------------------------------------------------
+def record(**fields):
+    base = dict(backend="engine", model="m", dtype="bfloat16", setting="aware", length=4096, task="passkey",
+                index=0, method="snapkv", ratio=0.5, score=1.0, realised_ratio=0.5, error=None)
+    return {**base, **fields}
+
+
+def test_store_resumes_and_skips_done(tmp_path):
+    path = tmp_path / "r.jsonl"
+    store = Store(path)
+    store.add([record(), record(index=1, score=0.0)])
+    store.add([record()])  # already there: not written twice
+    again = Store(path)
+    assert len(again.records) == 2 and again.done(key_of(record())) and not again.done(key_of(record(index=2)))
+    # A run killed while writing leaves a torn last line: it is cut off, and the run goes on after it.
+    with path.open("a") as f:
+        f.write('{"backend": "eng')
+    assert len(report.read(path)) == 2  # a reader skips it
+    resumed = Store(path)
+    assert len(resumed.records) == 2
+    resumed.add([record(index=2)])
+    assert [r["index"] for r in Store(path).records] == [0, 1, 2]
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+    # Anything else that is not a record is an error, not something to skip.
+    path.write_text("not json\n" + path.read_text())
+    with pytest.raises(ValueError, match="r.jsonl:1: not a JSON record"):
+        Store(path)
+
+
+def test_report_scores_average_tasks_equally_over_common_tasks():
+    records = [record(task="passkey", index=0, score=1.0), record(task="passkey", index=1, score=0.0),
+               record(task="vt", score=1.0), record(method="tova", task="passkey", score=1.0)]
+    table = report.Table(records)
+    snap, tova = ("engine", "aware", "snapkv", 0.5), ("engine", "aware", "tova", 0.5)
+    assert table.score(snap, ["passkey", "vt"]) == pytest.approx(75.0)  # (50 + 100) / 2
+    assert table.tasks([snap, tova]) == ["passkey"]  # only what both have
+    assert table.score(snap, table.tasks([snap, tova])) == pytest.approx(50.0)
+    errors = report.Table([record(error="refused", score=None)])
+    assert errors.errors and not errors.scores
+
+
+def test_side_by_side_and_claims_read_the_right_rows():
+    rows = [record(backend="kvpress", method="snapkv", score=1.0), record(method="snapkv", score=0.0),
+            record(backend="kvpress", method="full", ratio=0.0), record(method="full", ratio=0.0),
+            record(method="caote+snapkv", score=1.0), record(method="criticalkv+snapkv", score=0.0)]
+    table = report.Table(rows)
+    text = report.side_by_side(table, "aware")
+    assert "| snapkv | snapkv | 100.0 / 0.0 (-100.0) | 100.0 |" in text
+    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 |" in text
+    claims = report.claims(table)
+    assert "aware: caote+snapkv >= snapkv: 0.5: 100.0 vs 0.0 ok" in claims
+    assert "aware: criticalkv+snapkv >= snapkv: 0.5: 0.0 vs 0.0 ok" in claims
+    assert "best method at ratio 0.5 within 5 points of the full cache: caote+snapkv 100.0 vs 100.0 ok" in claims
