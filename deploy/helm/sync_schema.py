@@ -73,8 +73,10 @@ def config_properties() -> dict[str, dict[str, Any]]:
             types.setdefault(option, set()).add(_json_type(default))
     props: dict[str, dict[str, Any]] = {}
     for option in sorted(types):
-        found = types[option]
-        if None in found:
+        # A None default ("derived from the budget", e.g. H2O's recent window) takes the type the option
+        # has elsewhere, or any type when no policy gives it one: the server checks the value.
+        found = types[option] - {None}
+        if not found:
             props[option] = {}
         elif found == {"integer", "number"}:
             props[option] = {"type": "number"}  # an int default where another policy has a float one
