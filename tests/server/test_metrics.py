@@ -82,7 +82,7 @@ def test_a_request_adds_exactly_what_it_evicted(evict_server: LocalServer, http:
     change = {name: sample(after, name, **ENGINE) - sample(before, name, **ENGINE)
               for name in (EVICTED, FREED, STEPS, STEP_COUNT)}
     assert change == {EVICTED: stats.tokens_evicted, FREED: stats.pages_freed, STEPS: expected.eviction_steps,
-                      STEP_COUNT: expected.steps}
+                      STEP_COUNT: expected.work_steps}
 
 
 def test_a_request_without_eviction_adds_to_none_only(evict_server: LocalServer, http: Any) -> None:
