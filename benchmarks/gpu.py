@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     require_cuda(args.command)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # The V1 runner unless the caller chooses (VLLM_USE_V2_MODEL_RUNNER=1 runs the same checks on Model
+    # Runner V2): set here, in the GPU process, not when a test imports the engine module.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     import gpu_engine  # device-side code: vLLM and CUDA from here on
 
     if args.command == "engine":

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 import torch  # noqa: E402
