@@ -144,7 +144,7 @@ def ring_entries(token_rows: np.ndarray, slots: np.ndarray, in_row: np.ndarray, 
 
     token_rows, in_row [T]: each token's row and index within the row's tokens of this step;
     slots, counts, computed [rows]: each row's ring slot, tokens this step and logical tokens before it;
-    recording [rows]: the rows whose queries are needed (None: all, ``schedule.queries_needed_above``)."""
+    recording [rows]: the rows whose queries go to the ring (None: all; elastic rows, see ``StepBuilder._windows``)."""
     position = computed[token_rows] + in_row
     recent = in_row >= counts[token_rows] - window
     if recording is not None:

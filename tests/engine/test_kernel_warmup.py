@@ -49,14 +49,17 @@ def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_fact
     prompts, params = batch()
     with ops.use_backend("triton"), LaunchRecorder() as served:
         engine.llm.generate(prompts, params, use_tqdm=False)
-    warm_keys, served_keys = set(warm.variants()), set(served.variants())
-    assert len(served.launches) > 100, "serving launched (almost) no Triton kernel"
+    # Ours only: on Model Runner V2 vLLM's own input preparation and sampling are Triton kernels too.
+    ours = lambda launch: kernel_name(launch.kernel).startswith("vllm_evict.")  # noqa: E731
+    warm_keys = {key for key in warm.variants() if key[0].startswith("vllm_evict.")}
+    served_keys = {key for key in served.variants() if key[0].startswith("vllm_evict.")}
+    assert sum(map(ours, served.launches)) > 100, "serving launched (almost) no eviction kernel"
     missing = sorted(served_keys - warm_keys, key=str)
     assert not missing, "variants serving needed that the warm-up did not compile:\n" + "\n".join(map(str, missing))
     # No per-step number is specialised: launches of one kernel on one cache tensor (one layer's K, V,
     # positions or state) with the same constexprs pass every specialised integer with one value.
     values: dict[tuple, dict[str, set]] = defaultdict(lambda: defaultdict(set))
-    for launch in warm.launches + served.launches:
+    for launch in filter(ours, warm.launches + served.launches):
         bound = launch.bound()
         ints, _ = unspecialised(launch.kernel)
         first = next(v for v in bound.values() if isinstance(v, torch.Tensor))
