@@ -26,6 +26,8 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 import torch  # noqa: E402
 
+from engine_watch import count_preemptions, watch_steps  # noqa: E402  (benchmarks/ is on sys.path: gpu.py)
+
 PAGE = 16
 CHUNK = 2048  # max_num_batched_tokens: the prefill chunk
 GIB = 1 << 30
@@ -318,52 +320,13 @@ def timed_steps(core: Any) -> list[dict[str, float]]:
     """Every engine step from now on: wall seconds, tokens, running requests, eviction seconds (the
     worker's step timer, read where the worker reports it)."""
     steps: list[dict[str, float]] = []
-    schedule, step_fn = core.scheduler.schedule, core.step_fn
-    last: list[Any] = [None]
-    evicting = [0.0]
-    timer = getattr(runner_of_core(core), "evict_timer", None)
-    if timer is not None:
-        take = timer.take
 
-        def taken() -> float | None:
-            seconds = take()
-            evicting[0] += seconds or 0.0
-            return seconds
+    def record(output: Any, seconds: float, eviction: float) -> None:
+        steps.append({"s": seconds, "tokens": output.total_num_scheduled_tokens,
+                      "running": len(core.scheduler.running), "eviction_s": eviction})
 
-        timer.take = taken
-
-    def scheduled(*args: Any, **kwargs: Any) -> Any:
-        last[0] = schedule(*args, **kwargs)
-        return last[0]
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        last[0], evicting[0] = None, 0.0
-        start = time.perf_counter()
-        result = step_fn(*args, **kwargs)
-        output = last[0]
-        if output is not None and output.total_num_scheduled_tokens:
-            steps.append({"s": time.perf_counter() - start, "tokens": output.total_num_scheduled_tokens,
-                          "running": len(core.scheduler.running), "eviction_s": evicting[0]})
-        return result
-
-    core.scheduler.schedule, core.step_fn = scheduled, timed
+    watch_steps(core, record)
     return steps
-
-
-def runner_of_core(core: Any) -> Any:
-    return core.model_executor.driver_worker.worker.model_runner
-
-
-def preemption_counter(core: Any) -> Callable[[], int]:
-    count = [0]
-    original = core.scheduler._preempt_request
-
-    def preempt(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    core.scheduler._preempt_request = preempt
-    return lambda: count[0]
 
 
 def measure(llm: Any, scenario: Scenario, vocab: int, name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -371,7 +334,7 @@ def measure(llm: Any, scenario: Scenario, vocab: int, name: str, extra: dict[str
     prompts = random_prompts(scenario.requests, lambda i: scenario.prompt, vocab, seed=7)
     llm.generate(random_prompts(1, lambda i: 64, vocab, seed=8), greedy(4, **(extra or {})), use_tqdm=False)
     steps = timed_steps(core)
-    preempted = preemption_counter(core)
+    preempted = count_preemptions(core.scheduler)
     start = time.perf_counter()
     outputs = llm.generate(prompts, greedy(scenario.generate, **(extra or {})), use_tqdm=False)
     seconds = time.perf_counter() - start

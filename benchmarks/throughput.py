@@ -39,12 +39,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "benchmarks"):  # vllm_evict, and engine_watch next to this script
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from vllm_evict.testing import use_offline_cpu_env  # noqa: E402
 
 use_offline_cpu_env()
+
+from engine_watch import count_preemptions, model_runner, watch_steps  # noqa: E402
 
 
 @dataclass
@@ -195,7 +198,7 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         params = SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True)
         llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)  # warm-up
-        preempted = _count_preemptions(core.scheduler)
+        preempted = count_preemptions(core.scheduler)
         steps = _time_steps(core)
         with interpreted_triton() as triton_s:
             start = time.perf_counter()
@@ -251,18 +254,6 @@ def interpreted_triton() -> Iterator[list[float]]:
         InterpretedFunction.run = original
 
 
-def _count_preemptions(scheduler: Any):
-    count = [0]
-    original = scheduler._preempt_request
-
-    def preempt(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(*args, **kwargs)
-
-    scheduler._preempt_request = preempt
-    return lambda: count[0]
-
-
 @dataclass
 class StepTime:
     seconds: float  # one engine step: schedule, forward, sampling, update
@@ -273,48 +264,19 @@ class StepTime:
     eviction: float = 0.0  # seconds of it the worker spent in eviction (its step timer: record, score, compact)
 
 
-def _model_runner(core: Any) -> Any:
-    """The model runner of an in-process engine core (``use_offline_cpu_env`` runs it in this process)."""
-    return core.model_executor.driver_worker.worker.model_runner
-
-
 def _time_steps(core: Any) -> list[StepTime]:
     """Every engine step from now on, timed whole, with what its schedule planned and the worker's
     eviction time in it (the in-process worker's step timer, read where the worker reports it)."""
     steps: list[StepTime] = []
-    last: list[Any] = [None]
-    evicting = [0.0]
-    schedule, step_fn = core.scheduler.schedule, core.step_fn
-    timer = getattr(_model_runner(core), "evict_timer", None)
-    if timer is not None:  # vanilla has none
-        take = timer.take
 
-        def taken() -> float | None:
-            seconds = take()
-            evicting[0] += seconds or 0.0
-            return seconds
+    def record(output: Any, seconds: float, eviction: float) -> None:
+        new = {r.req_id for r in output.scheduled_new_reqs}
+        plan = getattr(output, "kv_eviction_plan", None)
+        steps.append(StepTime(seconds, output.total_num_scheduled_tokens, len(output.num_scheduled_tokens),
+                              set(output.num_scheduled_tokens) <= new,
+                              len(plan.compress) if plan is not None else 0, eviction))
 
-        timer.take = taken
-
-    def scheduled(*args: Any, **kwargs: Any) -> Any:
-        output = schedule(*args, **kwargs)
-        last[0] = output
-        return output
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        last[0], evicting[0] = None, 0.0
-        start = time.perf_counter()
-        result = step_fn(*args, **kwargs)
-        output = last[0]
-        if output is not None and output.total_num_scheduled_tokens:
-            new = {r.req_id for r in output.scheduled_new_reqs}
-            plan = getattr(output, "kv_eviction_plan", None)
-            steps.append(StepTime(time.perf_counter() - start, output.total_num_scheduled_tokens,
-                                  len(output.num_scheduled_tokens), set(output.num_scheduled_tokens) <= new,
-                                  len(plan.compress) if plan is not None else 0, evicting[0]))
-        return result
-
-    core.scheduler.schedule, core.step_fn = scheduled, timed
+    watch_steps(core, record)
     return steps
 
 
@@ -492,7 +454,7 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
                         chunk=max(2048, 64 * batch), equal_pool=True)  # a time, not a memory, comparison
     llm = make_llm(model, dtype, scenario, Variant("host", eviction))
     try:
-        runner = _model_runner(llm.llm_engine.engine_core.engine_core)
+        runner = model_runner(llm.llm_engine.engine_core.engine_core)
         spent: list[float] = []
         original_layer, original_build = runner._evict_layer, runner.evict_builder.build
         current = [0.0]
