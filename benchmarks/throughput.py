@@ -84,9 +84,11 @@ def scenarios() -> dict[str, Scenario]:
             variants=[Variant("vanilla", None),
                       Variant("never evicts", {"policy": "snapkv", "budget": 4096}),
                       Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
+                      Variant("snapkv 256 window ring", {"policy": "snapkv", "budget": 256, "window_ring": True}),
                       Variant("keydiff 256", {"policy": "keydiff", "budget": 256}),
                       Variant("elastic snapkv 256", {"policy": "snapkv", "budget": 256, "mode": "elastic"})],
-            targets={"never evicts": 0.97, "snapkv 256": 0.95, "keydiff 256": 0.95, "elastic snapkv 256": 0.99}),
+            targets={"never evicts": 0.97, "snapkv 256": 0.95, "snapkv 256 window ring": 0.95, "keydiff 256": 0.95,
+                     "elastic snapkv 256": 0.99}),
         "tight": Scenario(
             "tight", requests=8, prompt=3000, generate=64, pool_tokens=4096, chunk=512,
             variants=[Variant("vanilla", None),
@@ -98,8 +100,10 @@ def scenarios() -> dict[str, Scenario]:
             "decode", requests=16, prompt=256, generate=512, pool_tokens=16 * (256 + 512) + 8 * PAGE, chunk=2048,
             equal_pool=True,
             variants=[Variant("vanilla", None),
-                      Variant("snapkv 256, slack 1 page", {"policy": "snapkv", "budget": 256, "slack": PAGE})],
-            targets={"snapkv 256, slack 1 page": 0.95}),
+                      Variant("snapkv 256, slack 1 page", {"policy": "snapkv", "budget": 256, "slack": PAGE}),
+                      Variant("snapkv 256, slack 1 page, window ring",
+                              {"policy": "snapkv", "budget": 256, "slack": PAGE, "window_ring": True})],
+            targets={"snapkv 256, slack 1 page": 0.95, "snapkv 256, slack 1 page, window ring": 0.95}),
         # 16 passkey prompts (~540 tokens, the quality smoke prompts) and 16 short ones generating 128
         # tokens: a demand of about 12k tokens through a pool of half that.
         "mixed": Scenario(
@@ -429,9 +433,11 @@ def draw_modes(results: dict[str, Any], path: Path) -> Path:
 # budget 64 + slack 64 - window 63 = 65 tokens, below every decode length, and no request of
 # 64 + 64 tokens reaches the 128 that would evict: the last generated token is never computed).
 # Decode lengths 65-127 are all within the window of the eviction at budget + slack = 128, which none reaches:
-# every step adds its queries' attention to the window mass, none evicts.
+# every step adds its queries' attention to the window mass, none evicts; with the server option
+# window_ring, every step writes its queries into the ring instead.
 HOST_CASES = {"far from eviction": {"policy": "snapkv", "budget": 4096},
-              "accumulating the window": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64}}
+              "accumulating the window": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64},
+              "window in the ring": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64, "window_ring": True}}
 
 
 def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[str, Any]:

@@ -9,7 +9,11 @@ end for a policy that reads it there, AhaKV):
 * chunked prefill: only the evicting chunk's own queries (block-wise; the next chunk's size is not
   known when a chunk is computed);
 * a request recomputing its outputs after a preemption (``replayed``) may also hold earlier queries
-  since the previous read (documented in docs/engine.md): checked as a superset."""
+  since the previous read (documented in docs/engine.md): checked as a superset.
+
+Every window read outside a replay is thus a run of consecutive queries ending with the read: the
+request's latest ``count`` queries, which is what a server started with ``window_ring`` reads from its
+query ring instead of accumulating them (tests/engine/test_reference_agreement.py)."""
 
 from __future__ import annotations
 

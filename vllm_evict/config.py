@@ -17,13 +17,13 @@ from typing import Any, Mapping
 
 from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
 from vllm_evict.policies.base import Policy
-from vllm_evict.policies.options import MAX_SEED, MAX_TOKENS, check_choice, check_int, show
+from vllm_evict.policies.options import MAX_SEED, MAX_TOKENS, check_bool, check_choice, check_int, show
 from vllm_evict.schedule import SCHEDULES
 
 ENGINE_OPTIONS = ("schedule", "slack", "seed", "mode")
 # Options of the server alone (``ServerConfig``), never of a request; ``EvictionConfig.from_mapping``
 # skips them so that a server's mapping reads as its eviction config too.
-SERVER_OPTIONS = ("max_window", "request_policies")
+SERVER_OPTIONS = ("max_window", "request_policies", "window_ring")
 # Options whose value is a width in tokens read through queries (or kept as such): at most max_window.
 WINDOW_OPTIONS = ("window", "proxy", "recent")
 MAX_WINDOW = 4096  # the largest max_window a server may reserve (NaCl's automatic rule needs <= 1024)
@@ -203,12 +203,17 @@ def window_widths(config: EvictionConfig, policy: Policy) -> dict[str, int]:
 class ServerConfig:
     """What a server evicts by default (``eviction``) and what it reserves at start-up for requests:
     ``max_window``, the widest query window (SnapKV window, NaCl proxy count, AhaKV recent window) any
-    request may use, and ``request_policies``, methods clients may choose beyond those whose needs the
-    server's own method covers (``vllm_evict.reservation`` turns both into what the worker allocates)."""
+    request may use; ``request_policies``, methods clients may choose beyond those whose needs the
+    server's own method covers; and ``window_ring``, whether fixed-mode requests keep their observation
+    window's queries in a query ring reserved at start-up (``max_window`` queries per running request:
+    decode steps inside a window only store their queries) instead of accumulating the window's mass
+    query by query (no memory beyond a per-token state). ``vllm_evict.reservation`` turns them into
+    what the worker allocates."""
 
     eviction: EvictionConfig
     max_window: int
     request_policies: tuple[str, ...] = ()
+    window_ring: bool = False
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> "ServerConfig":
@@ -240,11 +245,19 @@ class ServerConfig:
             if max_window > MAX_WINDOW:
                 raise ValueError(f"the server's query window ({widest}) is wider than the largest max_window, "
                                  f"{MAX_WINDOW}; shrink it")
-        return cls(eviction=eviction, max_window=max_window, request_policies=tuple(dict.fromkeys(normalised)))
+        window_ring = check_bool("window_ring", mapping.get("window_ring", False))
+        return cls(eviction=eviction, max_window=max_window, request_policies=tuple(dict.fromkeys(normalised)),
+                   window_ring=window_ring)
+
+    @property
+    def ring(self) -> bool:
+        """The server keeps a query ring: elastic requests need one (they can be compressed at any step),
+        and ``window_ring`` asks for one for fixed-mode requests too."""
+        return self.eviction.elastic or self.window_ring
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.eviction.to_dict(), "max_window": self.max_window,
-                "request_policies": list(self.request_policies)}
+                "request_policies": list(self.request_policies), "window_ring": self.window_ring}
 
 
 # ---- JSON text from clients -------------------------------------------------------------------------

@@ -12,7 +12,9 @@ A step has two phases, both batched over the step's requests:
   - the step's queries that belong to a row's observation window (``Group.window_tokens``) add their
     softmax rows over the row's cache to the per-token window mass (state ``WINDOW_MASS``): the window
     is accumulated as its queries arrive, so no query is kept for fixed-mode requests (see
-    ``vllm_evict.schedule.window_end`` for which queries those are);
+    ``vllm_evict.schedule.window_end`` for which queries those are). On a server with a query ring
+    (server option ``window_ring``) the window's queries wait in the ring instead, and the same mass is
+    computed once, from the ring, in the step that reads the window (``Group.window_slots``);
   - one policy call scores the rows (padded to the longest) and the survivors of every (row, KV head)
     are compacted in place into the row's first slots, K, V, positions and state alike; a row that has
     read its window starts the next one from zero.
@@ -124,6 +126,9 @@ class Group:
     window_positions: Tensor | None = None  # int64 [R, M']: their positions, -1 on padding
     window_gain: Tensor | None = None  # fp32: the window's logit gain (None: 1)
     window_reset: bool = False  # the rows read their window in this step: the next one starts from zero
+    # int64: each row's ring slot when the window's queries wait in the ring (server option window_ring)
+    # and its mass is computed from there when the window is read (None: accumulated as they arrive).
+    window_slots: Tensor | None = None
 
 
 @dataclass
@@ -171,12 +176,15 @@ def step_token_index(starts: np.ndarray, counts: np.ndarray, computed: np.ndarra
 class WindowStep:
     """A group's accumulated observation window in this step, on the host (fixed mode): per row, the
     step's last ``recorded`` queries join the window, which then holds ``count`` queries; ``gain`` the
-    logit gain of its softmax rows (None: 1); ``reset``: the rows read the window in this step."""
+    logit gain of its softmax rows (None: 1); ``reset``: the rows read the window in this step;
+    ``slots``: the rows' ring slots when the window's queries wait in the ring until it is read (the
+    window is always its row's latest ``count`` queries), None when each adds its mass as it arrives."""
 
     recorded: np.ndarray
     count: np.ndarray
     gain: np.ndarray | None = None
     reset: bool = False
+    slots: np.ndarray | None = None
 
 
 def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
@@ -199,7 +207,9 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     # One [7, R'] block, R' even: every row of it starts 16 bytes aligned, whatever R is, so the kernels
     # reading these per-row numbers see the same pointer alignment on every step (no Triton recompile).
     host = np.zeros((7, rows + rows % 2), dtype=np.int64)
-    for i, column in enumerate((lengths, computed + scheduled, scheduled, seed, keep, ring_rows,
+    deferred = window is not None and window.slots is not None  # the window waits in the ring
+    slots = ring_rows if ring_rows is not None else window.slots if deferred else None
+    for i, column in enumerate((lengths, computed + scheduled, scheduled, seed, keep, slots,
                                 window.count if window is not None else None)):
         if column is not None:
             host[i, :rows] = column
@@ -209,11 +219,12 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     reads_step = policy.query_window is None or (policy.needs_every_step and ring_rows is None)
     if reads_step and token_starts is not None:
         arrays["step"] = np.stack(step_token_index(token_starts, scheduled, computed))
-    if window is not None and token_starts is not None and window.recorded.any():
+    if not deferred and window is not None and token_starts is not None and window.recorded.any():
         skipped = scheduled - window.recorded  # the window takes each row's last ``recorded`` tokens
         arrays["window"] = np.stack(step_token_index(token_starts + skipped, window.recorded, computed + skipped))
-        if window.gain is not None:  # the staging copies int64: the float32 gains travel as their bits
-            arrays["gain"] = window.gain.astype(np.float32).view(np.int32).astype(np.int64)
+    reads_mass = "window" in arrays or (deferred and window.reset)
+    if reads_mass and window.gain is not None:  # the staging copies int64: the float32 gains travel as their bits
+        arrays["gain"] = window.gain.astype(np.float32).view(np.int32).astype(np.int64)
     copied = dict(zip(arrays, to_device(*arrays.values())))  # one host-to-device copy for all of them
     lengths_t, seq_len, num_new, seed_t, budget, ring_t, count_t = copied["host"][:, :rows].unbind(0)
     step_tokens, step_positions = copied["step"].unbind(0) if "step" in copied else (None, None)
@@ -229,7 +240,7 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                  max_seq_len=int((computed + scheduled).max()),
                  window_count=count_t if window is not None else None, window_tokens=window_tokens,
                  window_positions=window_positions, window_gain=window_gain,
-                 window_reset=window is not None and window.reset)
+                 window_reset=window is not None and window.reset, window_slots=ring_t if deferred else None)
 
 
 # ---- record phase ---------------------------------------------------------------------------------
@@ -312,11 +323,25 @@ def window_states(policy: Policy) -> tuple[str, ...]:
     return (*(n for n in policy.state_names if n in WINDOW_STATES), *policy.head_state_names)
 
 
-def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, step_query: Tensor) -> EvictionInputs:
-    """Add the softmax rows of the step's window queries (``group.window_tokens``) over each row's cache
-    to its window-mass states, in the cache and in ``inp``; returns the updated inputs."""
-    queries = step_query[group.window_tokens].permute(0, 2, 1, 3)  # [R, H_q, M', d]
-    window_inp = inp.evolve(queries=queries, query_positions=group.window_positions)
+def step_window(group: Group, step_query: Tensor) -> tuple[Tensor, Tensor]:
+    """This step's queries that join the rows' windows ([R, H_q, M', d]) and their positions [R, M']."""
+    return step_query[group.window_tokens].permute(0, 2, 1, 3), group.window_positions
+
+
+def ring_window(cache: LayerCache, group: Group, plan: StepPlan) -> tuple[Tensor, Tensor]:
+    """The rows' windows as they wait in the ring: its queries [R, H_q, W, d] and their positions [R, W],
+    all but each row's latest ``window_count`` emptied (the window is that many latest queries)."""
+    slots = group.window_slots
+    positions = dense.latest_queries(plan.ring_positions[slots], group.seq_len, group.window_count)
+    return cache.ring[slots].permute(0, 2, 1, 3), positions
+
+
+def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, queries: Tensor,
+                      query_positions: Tensor) -> EvictionInputs:
+    """Add the softmax rows of window queries ([R, H_q, M, d] at ``query_positions`` [R, M], -1: none;
+    ``step_window`` or ``ring_window``) over each row's cache to its window-mass states, in the cache
+    and in ``inp``; returns the updated inputs."""
+    window_inp = inp.evolve(queries=queries, query_positions=query_positions)
     heads = bool(group.policy.head_state_names)
     mass = inp.ops.window_mass(window_inp, gain=group.window_gain, per_query_head=heads)
     updates = {}
@@ -336,7 +361,9 @@ def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[T
     for group in plan.groups:
         inp = group_inputs(cache, group, plan, step_query)
         if group.window_tokens is not None:
-            inp = accumulate_window(cache, group, inp, step_query)
+            inp = accumulate_window(cache, group, inp, *step_window(group, step_query))
+        elif group.window_slots is not None and group.window_reset:
+            inp = accumulate_window(cache, group, inp, *ring_window(cache, group, plan))
         result = group.policy.step(inp)
         pages, offsets = group.slot_pages, group.slot_offsets
         windows = window_states(group.policy)

@@ -27,8 +27,11 @@ class Reservation:
     states: frozenset[str]  # per-token fp32 states reserved, by name (union of policy.state_names)
     head_states: frozenset[str]  # per-token states with a per-query-head axis (policy.head_state_names)
     max_window: int  # the widest query window any request may use
-    ring: bool  # True on an elastic server (mode "elastic"): a query ring of max_window per running request
+    # A query ring of max_window per running request: on an elastic server (mode "elastic"), or with the
+    # server option window_ring (every request's window is then read from it, ``ServerConfig.ring``).
+    ring: bool
     o_proj: bool = False  # every attention layer's output projection is loaded (a reserved method needs it)
+    elastic: bool = False  # the server runs in elastic mode: requests may too (they need its ring and its scheduler)
 
 
 def _head_states(policy: Policy) -> tuple[str, ...]:
@@ -59,8 +62,9 @@ def server_reservation(server: ServerConfig) -> Reservation:
         states=frozenset(name for p in policies for name in p.state_names),
         head_states=frozenset(name for p in policies for name in _head_states(p)),
         max_window=server.max_window,
-        ring=server.eviction.elastic,
-        o_proj=any(p.needs_o_proj for p in policies))
+        ring=server.ring,
+        o_proj=any(p.needs_o_proj for p in policies),
+        elastic=server.eviction.elastic)
 
 
 def _add_to_request_policies(spec: str) -> str:
@@ -71,7 +75,7 @@ def _add_to_request_policies(spec: str) -> str:
 def refusal(config: EvictionConfig, reservation: Reservation) -> str | None:
     """Why a server with ``reservation`` cannot serve ``config`` (a message naming the server option to
     change), or None when it can."""
-    if config.elastic and not reservation.ring:
+    if config.elastic and not reservation.elastic:
         return ("mode 'elastic' needs a server started in elastic mode, and this server's mode is 'fixed'; "
                 "drop mode from the request, or start the server with --kv-eviction-config '{\"mode\": \"elastic\"}'")
     policy = config.build_policy(window_cap=reservation.max_window)

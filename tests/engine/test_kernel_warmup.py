@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from tests.engine.helpers import greedy, token_prompt
+from tests.engine.helpers import TEST_RUNNER, greedy, token_prompt
 from vllm_evict import ops
 from vllm_evict.engine.warmup import warmup_configs
 from vllm_evict.kernels._common import unspecialised
@@ -41,8 +41,13 @@ def batch() -> tuple[list, list]:
     return prompts, params
 
 
-def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_factory):
-    engine = engine_factory(tiny_llama, SERVER, max_num_seqs=32, max_num_batched_tokens=192, pages=1024)
+# window_ring: fixed-mode windows wait in the query ring and their mass is computed when they are read.
+@pytest.mark.parametrize("window_ring", [False, True])
+def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_factory, window_ring):
+    engine = engine_factory(tiny_llama, {**SERVER, "window_ring": window_ring}, max_num_seqs=32,
+                            max_num_batched_tokens=192, pages=1024)
+    if window_ring and TEST_RUNNER == "v2":
+        pytest.skip("the warm-up and the window ring are the same code on both runners; the V2 pass runs the default")
     runner = engine.runner
     with ops.use_backend("triton"), LaunchRecorder() as warm:
         runner.evict_warm_up()

@@ -81,13 +81,16 @@ def test_eviction_requests_on_a_server_without_eviction_are_refused(tiny_llama, 
     assert len(engine.llm.generate([token_prompt(20)], greedy(2))[0].outputs[0].token_ids) == 2
 
 
-def test_preemption_recompute_with_eviction(tiny_llama, engine_factory):
+# SnapKV with window_ring: the preempted requests' ring slots are given back and taken afresh on resuming.
+@pytest.mark.parametrize("server", [{"policy": "keydiff", "budget": 64},
+                                    {"policy": "snapkv", "budget": 64, "window_ring": True}])
+def test_preemption_recompute_with_eviction(tiny_llama, engine_factory, server):
     plain = engine_factory(tiny_llama)
     prompt_big = token_prompt(200, 21)
     expected_big = chosen_logprobs(plain.llm.generate([prompt_big], greedy(200))[0])
 
     # 14 pages (448 tokens): the request without eviction grows to 400 tokens and pushes the others out.
-    engine = engine_factory(tiny_llama, {"policy": "keydiff", "budget": 64}, pages=15, max_model_len=1024)
+    engine = engine_factory(tiny_llama, server, pages=15, max_model_len=1024)
     outputs, cached, preempted = step_all(engine, [
         ("big", prompt_big, greedy(200, kv_eviction="none")),
         ("e1", token_prompt(200, 22), greedy(120)),

@@ -8,6 +8,7 @@ import torch
 
 from tests.engine.helpers import BLOCK, TEST_RUNNER, greedy
 from vllm_evict import EvictionConfig
+from vllm_evict.policies.base import Phase
 from vllm_evict.reference import run_reference
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -42,17 +43,37 @@ V2_SUBSET = {("keydiff", "chunked"), ("h2o", "chunked"), ("snapkv", "oneshot")}
 def test_engine_keeps_what_the_reference_keeps(smollm2_path, engine_factory, spec, schedule):
     if TEST_RUNNER == "v2" and (spec, schedule) not in V2_SUBSET:
         pytest.skip("the V2 pass runs one chunked, one one-shot and one every-step method (V2_SUBSET)")
-    budget = 96
-    eviction = {"policy": spec, "budget": budget, "schedule": schedule}
-    engine = engine_factory(str(smollm2_path), eviction, max_num_batched_tokens=CHUNK, pages=0,
-                            kv_cache_memory_bytes=160 << 20)
+    agrees_with_reference(smollm2_path, engine_factory, {"policy": spec, "budget": 96, "schedule": schedule},
+                          new_tokens=12)
+
+
+# Server option window_ring: a fixed-mode request's window waits in the query ring and its mass is computed
+# when the window is read, from the window's latest queries; the reference accumulates the mass query by
+# query. Decode evictions included: 40 new tokens at budget 96 and a slack of 16 (< SnapKV's window of 32)
+# evict twice while decoding, each reading the 16 queries since the previous eviction, not the ring's 32.
+@pytest.mark.parametrize("spec,schedule", [("snapkv", "oneshot"), ("caote+snapkv", "chunked"), ("ahakv", "oneshot"),
+                                           ("nacl", "oneshot")])
+def test_window_ring_keeps_what_the_accumulated_window_keeps(smollm2_path, engine_factory, spec, schedule):
+    if TEST_RUNNER == "v2" and spec != "caote+snapkv":
+        pytest.skip("the V2 pass runs one method with the window ring")
+    agrees_with_reference(smollm2_path, engine_factory, {"policy": spec, "budget": 96, "schedule": schedule,
+                                                         "slack": 16}, new_tokens=40, window_ring=True)
+
+
+def agrees_with_reference(smollm2_path, engine_factory, eviction: dict, new_tokens: int, **server_options) -> None:
+    engine = engine_factory(str(smollm2_path), {**eviction, **server_options}, max_num_batched_tokens=CHUNK,
+                            pages=0, kv_cache_memory_bytes=160 << 20)
+    if server_options.get("window_ring"):
+        assert engine.runner.evict_buffers.ring is not None
     tokenizer = engine.llm.get_tokenizer()
     prompt_ids = tokenizer(PROMPT)["input_ids"][:300]
-    output, engine_kept = engine_kept_positions(engine, prompt_ids, greedy(12))
+    output, engine_kept = engine_kept_positions(engine, prompt_ids, greedy(new_tokens))
 
     config = EvictionConfig.from_mapping(eviction)
-    reference = run_reference(smollm2_path, prompt_ids, config, max_new_tokens=12, chunk_size=CHUNK,
-                              slack=BLOCK, ignore_eos=True)
+    reference = run_reference(smollm2_path, prompt_ids, config, max_new_tokens=new_tokens, chunk_size=CHUNK,
+                              slack=config.slack_for(BLOCK), ignore_eos=True)
+    if config.slack is not None:  # the decode evictions this test is about happen: 39 decode steps, one every 16
+        assert sum(e.phase is Phase.DECODE and e.layer == 0 for e in reference.trace) == (new_tokens - 1) // config.slack
     assert list(output.outputs[0].token_ids) == reference.token_ids
     assert len(engine_kept) == len(reference.kept_positions)
     mismatched = [layer for layer, (got, want) in enumerate(zip(engine_kept, reference.kept_positions))

@@ -99,6 +99,19 @@ def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engin
     assert engine.runner.evict_buffers.ring is None
 
 
+def test_with_a_window_ring_rows_near_an_eviction_only_store_their_queries(tiny_llama, engine_factory):
+    # The same steps on a server with window_ring: each layer stores the batch's queries in the ring (one
+    # index_copy_) and computes nothing; the window's mass is computed once, when the eviction reads it.
+    config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8, "window_ring": True}
+    engine = engine_factory(tiny_llama, config, max_num_seqs=16, max_num_batched_tokens=512)
+    layer_1, step_1 = decode_step_counts(engine, 1)
+    layer_16, step_16 = decode_step_counts(engine, 16)
+    assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
+    assert layer_16 == {"index_copy_": 1}, f"one ring write per layer and nothing else: {layer_16}"
+    assert not SYNCS & set(step_16), f"a host-device sync on the per-step path: {step_16}"
+    assert engine.runner.evict_buffers.ring is not None
+
+
 def test_the_step_timer_runs_only_on_layers_with_work(tiny_llama, engine_factory):
     """The step timer (two CUDA events per timed layer on a GPU) brackets a layer's hook only when it has
     work: decode steps far from any eviction time nothing."""

@@ -127,8 +127,11 @@ def run_audited(engine: Any, batch: dict[str, tuple[dict, dict]]) -> tuple[Audit
     return audited, ids
 
 
-def test_no_step_of_any_policy_synchronises(tiny_llama, engine_factory):
-    engine = engine_factory(tiny_llama, SERVER, max_num_seqs=64, max_num_batched_tokens=256, pages=2048)
+# window_ring: fixed-mode windows wait in the query ring and their mass is computed when they are read.
+@pytest.mark.parametrize("window_ring", [False, True])
+def test_no_step_of_any_policy_synchronises(tiny_llama, engine_factory, window_ring):
+    engine = engine_factory(tiny_llama, {**SERVER, "window_ring": window_ring}, max_num_seqs=64,
+                            max_num_batched_tokens=256, pages=2048)
     batch = requests()
     audited, ids = run_audited(engine, batch)
     violations = sorted({str(v) for v in audited.audit.violations})

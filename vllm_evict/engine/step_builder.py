@@ -45,15 +45,30 @@ class RowWindows:
     count: np.ndarray  # the window's queries after them
     gain: np.ndarray  # the window's logit gain (NaN: none)
     reset: bool | np.ndarray  # the step reads the window
-    ring: np.ndarray  # elastic rows: their queries go to the ring
+    ring: np.ndarray  # elastic rows: their queries go to the ring, their policy reads them there
+    # fixed-mode rows on a server with a ring (server option window_ring): their window's queries wait
+    # in the ring and its mass is computed when the window is read
+    deferred: np.ndarray
 
-    def step(self, rows: np.ndarray, policy: Policy) -> WindowStep | None:
-        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window)."""
+    @property
+    def to_ring(self) -> np.ndarray:
+        """Rows whose queries of this step go to the ring."""
+        return self.ring | (self.deferred & (self.recorded > 0))
+
+    @property
+    def adds_mass(self) -> np.ndarray:
+        """Rows whose window mass grows in this step (their window's queries accumulated as they arrive)."""
+        return (self.recorded > 0) & ~self.deferred
+
+    def step(self, rows: np.ndarray, policy: Policy, slots: np.ndarray) -> WindowStep | None:
+        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window); ``slots``: their
+        ring slots."""
         if not policy.accumulates_window or self.ring[rows[0]]:
             return None
         gain = self.gain[rows]
         return WindowStep(recorded=self.recorded[rows], count=self.count[rows],
-                          gain=None if np.isnan(gain).all() else gain, reset=bool(self.reset[rows[0]]))
+                          gain=None if np.isnan(gain).all() else gain, reset=bool(self.reset[rows[0]]),
+                          slots=slots if self.deferred[rows[0]] else None)
 
 
 @dataclass
@@ -133,13 +148,13 @@ class StepBuilder:
         prompt = view.prompt
         windows = self._windows(table_rows, present, policy_index, computed, scheduled, cached_after, prompt, keep)
 
-        record = self._record(view, num_reqs, num_tokens, computed, scheduled, recording=windows.ring)
+        record = self._record(view, num_reqs, num_tokens, computed, scheduled, recording=windows.to_ring)
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
                         zero_states=zero_states)
         record_step(self.buffers.positions, self.buffers.states, step)
 
         every_step = np.array([p.needs_every_step for p in policies] + [False], dtype=bool)[policy_index]
-        acting = (policy_index >= 0) & ((keep >= 0) | every_step | (windows.recorded > 0) | windows.reset)
+        acting = (policy_index >= 0) & ((keep >= 0) | every_step | windows.adds_mass | windows.reset)
         rows_by_id: dict[str, int] = {}
         if acting.any():
             phase = phase_codes(computed, scheduled, prompt)
@@ -157,14 +172,16 @@ class StepBuilder:
                  scheduled: np.ndarray, cached_after: np.ndarray, prompt: np.ndarray,
                  keep: np.ndarray) -> "RowWindows":
         """Each batch row's observation window in this step (``schedule.window_end``): the queries that join
-        it, its size after them, its logit gain, whether the step reads it; and the elastic rows, whose
-        queries go to the ring instead. Updates the rows' window counts (``table_rows``: where they are kept)."""
+        it, its size after them, its logit gain, whether the step reads it; the elastic rows, whose
+        queries go to the ring instead; and, on a server with a ring, the fixed-mode rows whose window's
+        queries wait there. Updates the rows' window counts (``table_rows``: where they are kept)."""
         table = self.rows.policies
         num_reqs = len(table_rows)
         count = self.rows.window[table_rows]
         recorded = np.zeros(num_reqs, dtype=np.int64)
         reset = np.zeros(num_reqs, dtype=bool)
         ring = np.zeros(num_reqs, dtype=bool)
+        deferred = np.zeros(num_reqs, dtype=bool)
         gain = np.full(num_reqs, np.nan, dtype=np.float64)
         logical_after = computed + scheduled
         for index in present:
@@ -175,6 +192,7 @@ class StepBuilder:
             if config.elastic:  # compressed at any step: its latest queries are kept in the ring
                 ring[rows] = True
                 continue
+            deferred[rows] = bool(self.buffers.window)
             n = len(rows)
             evicting = keep[rows] >= 0
             end = window_end(cached_after=cached_after[rows], scheduled=scheduled[rows],
@@ -190,7 +208,7 @@ class StepBuilder:
             reset[rows] = end.now
         after = count + recorded
         self.rows.window[table_rows] = np.where(reset, 0, after)
-        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring)
+        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring, deferred=deferred)
 
     def _record(self, view: RunnerView, num_reqs: int, num_tokens: int, computed: np.ndarray,
                 scheduled: np.ndarray, recording: np.ndarray) -> Record:
@@ -220,7 +238,8 @@ class StepBuilder:
                            scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
-                           token_starts=view.query_start[rows], window=windows.step(rows, policy),
+                           token_starts=view.query_start[rows],
+                           window=windows.step(rows, policy, self.rows.slot[table_rows]),
                            to_device=self.staging.to_device)
 
 

@@ -103,22 +103,25 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
         cache = LayerCache(index=0, k=k, v=v, positions=positions, state=states, ring=ring, scale=g.scale,
                            o_proj=weight if policy.needs_o_proj else None)
         initializers, zero_states = state_initializers([policy])
-        # A window is read from the query ring on elastic servers, and accumulated as mass on fixed ones.
-        ring_modes = (True, False) if policy.accumulates_window else (bool(window),)
-        for phase, evicting, from_ring in ((p, e, r) for p in PHASES for e in (False, True) for r in ring_modes):
+        # An elastic request's policy reads its window from the query ring ("ring"); a fixed-mode request's
+        # window mass is accumulated as its queries arrive ("mass") or, on a server with a ring (window_ring),
+        # computed from the ring when the window is read ("deferred").
+        modes = ("ring", "mass", "deferred") if policy.accumulates_window else ("ring" if window else "none",)
+        for phase, evicting, mode in ((p, e, m) for p in PHASES for e in (False, True) for m in modes):
             scheduled = np.array([1, 1] if phase is Phase.DECODE else [page, 4], dtype=np.int64)
             tokens = int(scheduled.sum())
             offsets = torch.arange(tokens, device=device) % page
             record = Record(pages=torch.zeros(tokens, dtype=torch.int64, device=device), offsets=offsets,
                             positions=offsets.to(POSITION_DTYPE), ring_index=None)
             accumulated = None
-            if policy.accumulates_window and not from_ring:
+            if mode in ("mass", "deferred"):
                 accumulated = WindowStep(recorded=scheduled, count=scheduled,
-                                         gain=policy.window_gain(lengths, lengths, d), reset=evicting)
+                                         gain=policy.window_gain(lengths, lengths, d), reset=evicting,
+                                         slots=np.arange(2) if mode == "deferred" else None)
             group = build_group(policy, phase, table, page, lengths=lengths, computed=lengths - scheduled,
                                 scheduled=scheduled, seed=np.zeros(2, dtype=np.int64),
                                 keep=lengths if evicting else None,  # keep everything: nothing moves
-                                ring_rows=np.arange(2) if from_ring else None,
+                                ring_rows=np.arange(2) if mode == "ring" else None,
                                 token_starts=np.array([0, scheduled[0]], dtype=np.int64), window=accumulated)
             plan = StepPlan(record=record, groups=[group], ring_positions=ring_positions, zero_states=zero_states)
             query, key, value = _qkv(tokens, g)
