@@ -82,15 +82,20 @@ def test_eviction_requests_on_a_server_without_eviction_are_refused(tiny_llama, 
 
 
 # SnapKV with window_ring: the preempted requests' ring slots are given back and taken afresh on resuming.
-@pytest.mark.parametrize("server", [{"policy": "keydiff", "budget": 64},
-                                    {"policy": "snapkv", "budget": 64, "window_ring": True}])
-def test_preemption_recompute_with_eviction(tiny_llama, engine_factory, server):
+# Its ring (4 sequences x 32 queries, ~4 pages' worth) comes out of the KV memory: 4 more pages of memory
+# give it the same 13-page pool.
+RING_SERVER = {"policy": "snapkv", "budget": 64, "schedule": "chunked", "window_ring": True}
+
+
+@pytest.mark.parametrize("server,pages", [({"policy": "keydiff", "budget": 64}, 15), (RING_SERVER, 19)])
+def test_preemption_recompute_with_eviction(tiny_llama, engine_factory, server, pages):
     plain = engine_factory(tiny_llama)
     prompt_big = token_prompt(200, 21)
     expected_big = chosen_logprobs(plain.llm.generate([prompt_big], greedy(200))[0])
 
-    # 14 pages (448 tokens): the request without eviction grows to 400 tokens and pushes the others out.
-    engine = engine_factory(tiny_llama, server, pages=15, max_model_len=1024)
+    # 13 pages (416 tokens): the request without eviction grows to 400 tokens and pushes the others out.
+    engine = engine_factory(tiny_llama, server, pages=pages, max_model_len=1024)
+    assert engine.total_pages() == 13  # the null page and a share for positions (and states) aside
     outputs, cached, preempted = step_all(engine, [
         ("big", prompt_big, greedy(200, kv_eviction="none")),
         ("e1", token_prompt(200, 22), greedy(120)),
