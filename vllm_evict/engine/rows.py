@@ -14,8 +14,9 @@ That is the V1 runner. Model Runner V2 keeps each request in a fixed slot of its
 arrival to finish, so there the rows are those slots, filled and emptied by engine/runner_v2.py's
 hooks on ``add_requests`` / ``_remove_request``; ``install_row_hooks`` and parking are V1's only.
 
-Each request also owns a slot of the query ring (engine/buffers.py) from its first step to its end
-(finish or preemption), so its recent queries never move, whatever happens to its row.
+Each request also owns a slot from its first step to its end (finish or preemption): its slot of the
+query ring of elastic servers (engine/buffers.py), and the pages the scheduler lends it for its decode
+window's queries (engine/window_pages.py), so neither moves, whatever happens to its row.
 
 A request's eviction config is the canonical form the scheduler accepted (``vllm_evict.request_settings``):
 the worker never parses a request's JSON. The policy table holds one entry per distinct config of the
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from vllm_evict.config import EvictionConfig
+from vllm_evict.engine.window_pages import NO_PAGE
 from vllm_evict.policies.base import Policy
 from vllm_evict.request_settings import config_of_extra_args, server_settings
 
@@ -117,6 +119,29 @@ class RowTable:
         self.policy_of: dict[str, int] = {}  # request id -> its entry in ``policies`` (released when forgotten)
         self.free_slots = list(range(max_rows - 1, -1, -1))
         self.forgotten: set[str] = set()  # finished or preempted in the step being set up
+        # Per slot: the pages lent for the request's decode window (NO_PAGE: none; sized by
+        # ``size_window_pages``) and the window's queries waiting in them.
+        self.window_pages = np.full((max_rows, 0), NO_PAGE, dtype=np.int64)
+        self.window_queued = np.zeros(max_rows, dtype=np.int64)
+
+    def size_window_pages(self, pages: int) -> None:
+        """The most pages a loan can have (the widest window the server allows)."""
+        self.window_pages = np.full((len(self.window_queued), pages), NO_PAGE, dtype=np.int64)
+
+    def lend_window_pages(self, request_id: str, pages: list[int]) -> None:
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            return  # gone before the loan reached this worker (its pages are back in the pool already)
+        if len(pages) > self.window_pages.shape[1]:
+            raise RuntimeError(f"vllm_evict: request {request_id} was lent {len(pages)} window pages, more than "
+                               f"the {self.window_pages.shape[1]} its server's max_window needs")
+        self.window_pages[slot] = NO_PAGE
+        self.window_pages[slot, :len(pages)] = pages
+        self.window_queued[slot] = 0
+
+    def end_window_loan(self, slot: int) -> None:
+        self.window_pages[slot] = NO_PAGE
+        self.window_queued[slot] = 0
 
     def _values(self, row: int) -> tuple[int, ...]:
         return tuple(int(getattr(self, f)[row]) for f in self.FIELDS)
@@ -146,6 +171,7 @@ class RowTable:
         slot = self.slot_of.get(request_id)
         if slot is None:
             slot = self.slot_of[request_id] = self.free_slots.pop()
+            self.end_window_loan(slot)
             if self.on_new_slot is not None:
                 self.on_new_slot(slot)
         self._set(row, (0, 0, policy, slot, 0))
@@ -163,6 +189,7 @@ class RowTable:
             self.policies.release(policy)
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
+            self.end_window_loan(slot)  # the scheduler has taken its pages back
             self.free_slots.append(slot)
         self.forgotten.add(request_id)
 

@@ -18,8 +18,12 @@ from vllm_evict.engine.buffers import EvictionBuffers
 from vllm_evict.engine.plan import EvictionPlan
 from vllm_evict.engine.rows import RowTable
 from vllm_evict.engine.runner_view import RunnerView
+from vllm_evict.engine.window_pages import NO_PAGE
+from vllm_evict.engine.window_pages import capacity as window_capacity
+from vllm_evict.engine.window_pages import write_table
 from vllm_evict.evict_step import (
-    Group, Record, StepPlan, WindowStep, build_group, evict_layer, record_step, ring_entries, state_initializers,
+    Group, Record, StepPlan, WindowStep, WindowWrites, accumulate_window, build_group, evict_layer, group_inputs,
+    page_window, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import window_end
@@ -41,34 +45,44 @@ class Compaction:
 class RowWindows:
     """Per row of a step (see ``StepBuilder._windows``)."""
 
-    recorded: np.ndarray  # this step's queries that join the accumulated window
+    recorded: np.ndarray  # this step's queries that join the window
     count: np.ndarray  # the window's queries after them
     gain: np.ndarray  # the window's logit gain (NaN: none)
     reset: bool | np.ndarray  # the step reads the window
     ring: np.ndarray  # elastic rows: their queries go to the ring, their policy reads them there
-    # fixed-mode rows on a server with a ring (server option window_ring): their window's queries wait
-    # in the ring and its mass is computed when the window is read
-    deferred: np.ndarray
+    # Fixed-mode rows with lent window pages (engine/window_pages.py): their window's queries wait there
+    # and its mass is computed when the window is read; ``lent`` [rows, P] (NO_PAGE: none), ``queued``
+    # the window's queries waiting there after this step's, ``capacity`` the entries the pages hold.
+    lent: np.ndarray
+    queued: np.ndarray
+    capacity: np.ndarray
+    group: int
 
     @property
-    def to_ring(self) -> np.ndarray:
-        """Rows whose queries of this step go to the ring."""
-        return self.ring | (self.deferred & (self.recorded > 0))
+    def deferred(self) -> np.ndarray:
+        return self.lent[:, 0] != NO_PAGE if self.lent.shape[1] else np.zeros(len(self.recorded), dtype=bool)
+
+    @property
+    def to_pages(self) -> np.ndarray:
+        """Rows whose queries of this step go to their lent pages."""
+        return self.deferred & (self.recorded > 0)
 
     @property
     def adds_mass(self) -> np.ndarray:
         """Rows whose window mass grows in this step (their window's queries accumulated as they arrive)."""
         return (self.recorded > 0) & ~self.deferred
 
-    def step(self, rows: np.ndarray, policy: Policy, slots: np.ndarray) -> WindowStep | None:
-        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window); ``slots``: their
-        ring slots."""
+    def step(self, rows: np.ndarray, policy: Policy) -> WindowStep | None:
+        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window)."""
         if not policy.accumulates_window or self.ring[rows[0]]:
             return None
         gain = self.gain[rows]
+        deferred = self.deferred[rows]
         return WindowStep(recorded=self.recorded[rows], count=self.count[rows],
                           gain=None if np.isnan(gain).all() else gain, reset=bool(self.reset[rows[0]]),
-                          slots=slots if self.deferred[rows[0]] else None)
+                          lent=self.lent[rows] if deferred.any() else None,
+                          queued=np.where(deferred, self.queued[rows], 0), capacity=self.capacity[rows],
+                          group=self.group)
 
 
 @dataclass
@@ -83,7 +97,9 @@ class BuiltStep:
     def layer_work(self) -> bool:
         """Whether the per-layer hook has anything to do (queries to record, states to compute, rows to
         look at); most decode steps far from any eviction have none."""
-        return self.plan.record.ring_index is not None or bool(self.initializers) or bool(self.plan.groups)
+        record = self.plan.record
+        return (record.ring_index is not None or record.window_writes is not None or bool(self.initializers)
+                or bool(self.plan.groups))
 
 
 def phase_codes(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray) -> np.ndarray:
@@ -148,7 +164,7 @@ class StepBuilder:
         prompt = view.prompt
         windows = self._windows(table_rows, present, policy_index, computed, scheduled, cached_after, prompt, keep)
 
-        record = self._record(view, num_reqs, num_tokens, computed, scheduled, recording=windows.to_ring)
+        record = self._record(view, num_reqs, num_tokens, computed, scheduled, windows)
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
                         zero_states=zero_states)
         record_step(self.buffers.positions, self.buffers.states, step)
@@ -181,7 +197,6 @@ class StepBuilder:
         recorded = np.zeros(num_reqs, dtype=np.int64)
         reset = np.zeros(num_reqs, dtype=bool)
         ring = np.zeros(num_reqs, dtype=bool)
-        deferred = np.zeros(num_reqs, dtype=bool)
         gain = np.full(num_reqs, np.nan, dtype=np.float64)
         logical_after = computed + scheduled
         for index in present:
@@ -192,7 +207,6 @@ class StepBuilder:
             if config.elastic:  # compressed at any step: its latest queries are kept in the ring
                 ring[rows] = True
                 continue
-            deferred[rows] = bool(self.buffers.window)
             n = len(rows)
             evicting = keep[rows] >= 0
             end = window_end(cached_after=cached_after[rows], scheduled=scheduled[rows],
@@ -208,23 +222,54 @@ class StepBuilder:
             reset[rows] = end.now
         after = count + recorded
         self.rows.window[table_rows] = np.where(reset, 0, after)
-        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring, deferred=deferred)
+        slots = self.rows.slot[table_rows]
+        lent = self.rows.window_pages[slots]
+        deferred = lent[:, 0] != NO_PAGE if lent.shape[1] else np.zeros(num_reqs, dtype=bool)
+        group = self.buffers.geometry.group
+        capacity = window_capacity((lent != NO_PAGE).sum(axis=1), group, self.page_size)
+        queued = self.rows.window_queued[slots] + np.where(deferred, recorded, 0)
+        if (queued > capacity).any():
+            row = int(np.argmax(queued > capacity))
+            raise RuntimeError(f"vllm_evict: a request has {queued[row]} window queries for lent pages that hold "
+                               f"{capacity[row]}: the scheduler lent too few")
+        self.rows.window_queued[slots] = np.where(reset, 0, queued)
+        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring, lent=lent,
+                          queued=queued, capacity=capacity, group=group)
 
     def _record(self, view: RunnerView, num_reqs: int, num_tokens: int, computed: np.ndarray,
-                scheduled: np.ndarray, recording: np.ndarray) -> Record:
+                scheduled: np.ndarray, windows: RowWindows) -> Record:
         slots = view.slot_mapping(num_tokens)
         ring_index = ring_tokens = None
-        if self.buffers.window and recording.any():
+        staged: list[np.ndarray] = []
+        if self.buffers.window and windows.ring.any():
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
             entries, tokens = ring_entries(token_rows, self.rows.slot[view.rows], view.query_pos(num_tokens),
-                                           scheduled, computed, self.buffers.window, recording)
-            if tokens is None:
-                (ring_index,) = self.staging.to_device(entries)
-            else:
-                ring_index, ring_tokens = self.staging.to_device(entries, tokens)
+                                           scheduled, computed, self.buffers.window, windows.ring)
+            staged = [entries] if tokens is None else [entries, tokens]
+        writes = self._window_writes(view, computed, scheduled, windows) if windows.to_pages.any() else ()
+        copied = self.staging.to_device(*staged, *writes) if staged or writes else []
+        if staged:
+            ring_index = copied[0]
+            ring_tokens = copied[1] if len(staged) == 2 else None
+        window_writes = WindowWrites(*copied[len(staged):]) if writes else None
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=view.positions(num_tokens).to(torch.int32), ring_index=ring_index,
-                      ring_tokens=ring_tokens)
+                      ring_tokens=ring_tokens, window_writes=window_writes)
+
+    def _window_writes(self, view: RunnerView, computed: np.ndarray, scheduled: np.ndarray,
+                       windows: RowWindows) -> tuple[np.ndarray, np.ndarray]:
+        """Where this step's window queries of rows with lent pages go: [4, n] (token, group member, page,
+        offset) for the slots in K halves and in V halves (both always, so that a layer's operations do
+        not depend on where the step's entries fall)."""
+        rows = np.nonzero(windows.to_pages)[0]
+        recorded = windows.recorded[rows]
+        token_rows = np.repeat(rows, recorded)
+        first = scheduled[rows] - recorded  # each row's last ``recorded`` tokens of this step
+        within = np.arange(len(token_rows)) - np.repeat(np.cumsum(recorded) - recorded, recorded)
+        in_row = np.repeat(first, recorded) + within
+        return write_table(windows.lent[token_rows], view.query_start[token_rows] + in_row,
+                           computed[token_rows] + in_row, windows.capacity[token_rows], windows.group,
+                           self.page_size)
 
     def _group(self, view: RunnerView, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
@@ -239,7 +284,7 @@ class StepBuilder:
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
                            token_starts=view.query_start[rows],
-                           window=windows.step(rows, policy, self.rows.slot[table_rows]),
+                           window=windows.step(rows, policy),
                            to_device=self.staging.to_device)
 
 
@@ -252,8 +297,7 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     last step left it, with the latest queries of its window, and adds no token."""
     rows, layers = runner.evict_rows, runner.evict_layers
     view: RunnerView = runner.evict_view
-    staging = runner.evict_builder.staging
-    staging.begin_step()
+    staging = runner.evict_builder.staging  # (its turn began with the pre-forward pass, runner._begin_step)
     page = runner.evict_buffers.geometry.page_size
     victims = []
     for request_id, keep in plan.compress.items():
@@ -296,3 +340,55 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
             rows.parked[request_id] = values
             continue
         rows.evicted[row], rows.cached[row] = values[0], values[1]
+
+
+# ---- window pages given back before the forward ----------------------------------------------------
+def return_window_pages(runner: Any, request_ids: list[str]) -> None:
+    """The scheduler took back these requests' lent window pages (engine/window_lender.py) and may hand
+    them to another request in this very step: before the forward writes anything, the mass of the
+    window queries they hold is added to each request's window state (its window goes on, accumulated
+    from now on), then the loan ends. Batched per policy, like ``compress_before_forward``."""
+    rows, view = runner.evict_rows, runner.evict_view
+    buffers = runner.evict_buffers
+    page, group = buffers.geometry.page_size, buffers.geometry.group
+    victims = []
+    for request_id in request_ids:
+        slot = rows.slot_of.get(request_id)
+        if slot is None:
+            continue
+        if rows.window_queued[slot] > 0:
+            row = view.row_of(request_id)
+            evicted, cached, policy, _, count = rows.parked[request_id] if row is None else (
+                int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), slot, int(rows.window[row]))
+            victims.append((request_id, slot, evicted, cached, policy, count))
+    for index in sorted({v[4] for v in victims}):
+        members = [v for v in victims if v[4] == index]
+        column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
+        slots, cached, logical = column(1), column(3), column(3) + column(2)
+        policy, config = rows.policies.policies[index], rows.policies.configs[index]
+        # The gain the window's read would use: its decode eviction, at budget + slack.
+        end = config.budget + config.slack_for(page)
+        gain = policy.window_gain(logical + end - cached, np.full(len(members), config.budget), buffers.geometry.head_size)
+        lent = rows.window_pages[slots]
+        table = view.page_table([v[0] for v in members], max(-(-int(cached.max()) // page), 1),
+                                runner.evict_builder.staging.to_device)
+        window = WindowStep(recorded=np.zeros(len(members), dtype=np.int64), count=column(5), gain=gain, lent=lent,
+                            queued=rows.window_queued[slots], capacity=window_capacity((lent != NO_PAGE).sum(axis=1), group, page),
+                            group=group, flush=True)
+        flushed = build_group(policy, Phase.DECODE, table, page, lengths=cached, computed=logical,
+                              scheduled=np.zeros(len(members), dtype=np.int64),
+                              seed=np.full(len(members), config.seed, dtype=np.int64), keep=None, ring_rows=None,
+                              token_starts=None, window=window, to_device=runner.evict_builder.staging.to_device)
+        nothing = flushed.seq_len[:0]
+        plan = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32),
+                                      ring_index=None), groups=[flushed], ring_positions=None)
+        geometry = buffers.geometry
+        no_queries = torch.zeros(0, geometry.query_heads, geometry.head_size, dtype=geometry.dtype,
+                                 device=geometry.device)
+        for cache in runner.evict_layers:
+            inp = group_inputs(cache, flushed, plan, no_queries)
+            accumulate_window(cache, flushed, inp, *page_window(cache, flushed.window_read))
+    for request_id in request_ids:
+        slot = rows.slot_of.get(request_id)
+        if slot is not None:
+            rows.end_window_loan(slot)

@@ -1,0 +1,144 @@
+"""Window pages, scheduler side: lend a request pages of the KV pool while it is inside a decode window,
+and take them back (engine/window_pages.py says what the pages hold and why).
+
+Per step, for each scheduled fixed-mode request of a method that reads a window at its decode
+evictions: if this step's query belongs to the window of its next decode eviction (the same rule the
+workers follow, ``vllm_evict.schedule.eviction_target`` and the policy's ``window_size``), it needs pages;
+otherwise it gives back any it holds. Lending never takes what vLLM would use instead:
+
+* pages are lent only from the free pool, above vLLM's watermark, and not while a request waits for
+  admission that a free seat would let in;
+* when an allocation fails (a running request's next tokens, or an admission), every loan is taken back
+  before vLLM may preempt anything (``reclaim``), and nothing is lent again in that step. The workers
+  first add the mass of the queries those pages hold to the requests' window state
+  (``EvictionPlan.window_returned``), before this step's forward writes into the pages.
+
+A request that gets no pages accumulates its window's mass as its queries arrive: the same tokens are
+kept either way. ``VLLM_EVICT_WINDOW_PAGES=0`` turns lending off (every window accumulates).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm_evict.engine.window_pages import pages_for_window
+from vllm_evict.policies.base import Policy
+
+if TYPE_CHECKING:
+    from vllm_evict.config import EvictionConfig
+    from vllm_evict.engine.plan import EvictionPlan
+    from vllm_evict.engine.scheduler import EvictScheduler
+
+ENV = "VLLM_EVICT_WINDOW_PAGES"
+
+
+def query_group(model_config: Any) -> int:
+    """Query heads per KV head in the model (an upper bound of any tensor-parallel rank's)."""
+    kv_heads = max(model_config.get_total_num_kv_heads(), 1)
+    query_heads = model_config.hf_text_config.num_attention_heads
+    return max(-(-query_heads // kv_heads), 1)
+
+
+class WindowPageLender:
+    def __init__(self, scheduler: "EvictScheduler") -> None:
+        self.scheduler = scheduler
+        self.enabled = os.environ.get(ENV, "1") != "0"
+        self.group = query_group(scheduler.vllm_config.model_config)
+        settings = scheduler.server_settings
+        self.window_cap = settings[1].max_window if settings is not None else None
+        self.lent: dict[str, list[Any]] = {}  # request id -> its lent KVCacheBlocks
+        self.lent_now: dict[str, list[int]] = {}  # this step's new loans: request id -> page ids
+        self.returned: list[str] = []  # this step's returns
+        self.reclaimed = False  # loans were taken back in this step: lend nothing more in it
+        self.loans = 0  # loans made so far (tests, logs)
+        self.reclaims = 0  # times an allocation took every loan back
+        self._policies: dict[str, Policy] = {}
+
+    def begin_step(self) -> None:
+        self.lent_now, self.returned, self.reclaimed = {}, [], False
+
+    def pages_lent(self) -> int:
+        return sum(len(blocks) for blocks in self.lent.values())
+
+    # ---- the rule ---------------------------------------------------------------------------------
+    def _policy(self, config: "EvictionConfig") -> Policy:
+        key = str(config)
+        policy = self._policies.get(key)
+        if policy is None:
+            if len(self._policies) > 4 * self.scheduler.max_num_running_reqs:  # bounded: configs come from requests
+                self._policies.clear()
+            policy = self._policies[key] = config.build_policy(window_cap=self.window_cap)
+        return policy
+
+    def window_width(self, config: "EvictionConfig", logical_end: int) -> int:
+        """Queries in the window of a decode eviction at logical length ``logical_end`` (0: no window
+        lent pages could hold: elastic requests keep queries in their ring, some methods read none)."""
+        if config.elastic:
+            return 0
+        policy = self._policy(config)
+        if not policy.accumulates_window or not policy.window_in_decode:
+            return 0
+        return int(policy.window_size(np.array([logical_end]), np.array([config.budget]))[0])
+
+    def scheduled(self, request_id: str, config: "EvictionConfig", *, decode: bool, phys_after: int,
+                  logical_after: int, slack: int) -> None:
+        """A request scheduled in this step (after vLLM allocated its slots): lend or take back pages."""
+        pages = 0
+        if self.enabled and decode:
+            end = config.budget + slack  # the next decode eviction (eviction_target)
+            width = self.window_width(config, logical_after + max(end - phys_after, 0))
+            # A one-query window is read in the step that computes its query: nothing to keep.
+            if width > 1 and phys_after > end - width:
+                pages = pages_for_window(width, self.group, self.scheduler.page_size)
+        held = self.lent.get(request_id)
+        if pages and held is None:
+            self._lend(request_id, pages)
+        elif not pages and held is not None:
+            self._give_back(request_id)
+
+    def _can_lend(self, pages: int) -> bool:
+        scheduler = self.scheduler
+        if self.reclaimed:
+            return False
+        if len(scheduler.waiting) and len(scheduler.running) < scheduler.max_num_running_reqs:
+            return False  # a waiting request may be admitted as soon as pages free up: leave them to it
+        manager = scheduler.kv_cache_manager
+        return manager.block_pool.get_num_free_blocks() - pages >= getattr(manager, "watermark_blocks", 0)
+
+    def _lend(self, request_id: str, pages: int) -> None:
+        if not self._can_lend(pages):
+            return
+        blocks = self.scheduler.kv_cache_manager.block_pool.get_new_blocks(pages)
+        self.lent[request_id] = blocks
+        self.lent_now[request_id] = [b.block_id for b in blocks]
+        self.loans += 1
+
+    def _give_back(self, request_id: str) -> None:
+        blocks = self.lent.pop(request_id)
+        self.scheduler.kv_cache_manager.block_pool.free_blocks(blocks)
+        if self.lent_now.pop(request_id, None) is None:
+            self.returned.append(request_id)
+
+    # ---- memory pressure, and requests that end ---------------------------------------------------
+    def reclaim(self) -> int:
+        """Take every loan back (an allocation failed); returns the pages freed."""
+        freed = self.pages_lent()
+        for request_id in list(self.lent):
+            self._give_back(request_id)
+        self.reclaimed = True
+        self.reclaims += 1
+        return freed
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: its pages go back; its worker row is dropped anyway."""
+        blocks = self.lent.pop(request_id, None)
+        if blocks is not None:
+            self.scheduler.kv_cache_manager.block_pool.free_blocks(blocks)
+        self.lent_now.pop(request_id, None)
+
+    def finish_step(self, plan: "EvictionPlan") -> None:
+        plan.window_pages = dict(self.lent_now)
+        plan.window_returned = list(self.returned)
