@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=20.0)
     p.add_argument("--requests-8k", type=int, default=48)
     p.add_argument("--quick", action="store_true", help="smaller batches (a smoke run)")
-    p.add_argument("--full", action="store_true", help="also SnapKV in both scenarios, and with window_ring in the first")
+    p.add_argument("--full", action="store_true", help="also SnapKV in both scenarios, and with its decode windows accumulated in the first")
     p = sub.add_parser("report", help="results.json -> markdown")
     p.add_argument("results")
     args = parser.parse_args(argv)

@@ -381,10 +381,13 @@ def bench(model: str, out: Path, *, kv_gib: float, requests_8k: int, quick: bool
         results["tight"].append(measure(llm, tight, vocab, "snapkv 1024 (chunked)",
                                         {"kv_eviction": "snapkv", "kv_eviction_config": '{"schedule": "chunked"}'}))
     close(llm)
-    if full:  # SnapKV's window kept as queries in a ring reserved at start-up (docs/engine.md#observation-windows)
-        llm = make_llm(**engine_kwargs(model, **common,
-                                       eviction={"policy": "snapkv", "budget": 1024, "window_ring": True}))
-        results["spare"].append(measure(llm, spare, vocab, "snapkv 1024, window ring", None))
+    if full:  # SnapKV's decode windows accumulated query by query, not kept in lent pages (docs/engine.md#observation-windows)
+        os.environ["VLLM_EVICT_WINDOW_PAGES"] = "0"
+        try:
+            llm = make_llm(**engine_kwargs(model, **common, eviction={"policy": "snapkv", "budget": 1024}))
+        finally:
+            del os.environ["VLLM_EVICT_WINDOW_PAGES"]
+        results["spare"].append(measure(llm, spare, vocab, "snapkv 1024, windows accumulated", None))
         close(llm)
     data = {"scenarios": [{"name": spare.name, "variants": results["spare"]},
                           {"name": tight.name, "variants": results["tight"]}],

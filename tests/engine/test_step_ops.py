@@ -85,10 +85,11 @@ def test_ops_per_layer_do_not_grow_with_the_batch(tiny_llama, engine_factory, sp
         assert sum(layer_16.values()) == 0, f"{spec}: {layer_16}"
 
 
-def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engine_factory):
+def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engine_factory, monkeypatch):
     # Budget 20 + slack 8 - window 16: decode steps that leave more than 12 tokens are in the window of the
-    # eviction at 28 tokens (the prompts have 20), and none reaches 28, so nothing is evicted. Their
-    # queries' attention is added to the window-mass state, batched over the rows; no query is kept.
+    # eviction at 28 tokens (the prompts have 20), and none reaches 28, so nothing is evicted. With window
+    # pages off, their queries' attention is added to the window-mass state, batched over the rows.
+    monkeypatch.setenv("VLLM_EVICT_WINDOW_PAGES", "0")
     config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8}
     engine = engine_factory(tiny_llama, config, max_num_seqs=16, max_num_batched_tokens=512)
     layer_1, step_1 = decode_step_counts(engine, 1)
@@ -96,20 +97,21 @@ def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engin
     assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
     assert layer_16["softmax"] == 1 and layer_16["index_put_"] == 1, f"one window update per layer: {layer_16}"
     assert "index_copy_" not in layer_16, f"a fixed-mode request keeps no queries: {layer_16}"
-    assert engine.runner.evict_buffers.ring is None
+    assert engine.runner.evict_buffers.ring is None and engine.scheduler.window_pages.loans == 0
 
 
-def test_with_a_window_ring_rows_near_an_eviction_only_store_their_queries(tiny_llama, engine_factory):
-    # The same steps on a server with window_ring: each layer stores the batch's queries in the ring (one
-    # index_copy_) and computes nothing; the window's mass is computed once, when the eviction reads it.
-    config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8, "window_ring": True}
+def test_with_window_pages_rows_near_an_eviction_only_store_their_queries(tiny_llama, engine_factory):
+    # The same steps by default: the scheduler lends each request a page of the pool for its window, and
+    # each layer writes the batch's queries there (a gather and a scatter for the slots in K halves, the
+    # same for V halves) and computes nothing; the window's mass is computed once, when the eviction reads it.
+    config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8}
     engine = engine_factory(tiny_llama, config, max_num_seqs=16, max_num_batched_tokens=512)
     layer_1, step_1 = decode_step_counts(engine, 1)
     layer_16, step_16 = decode_step_counts(engine, 16)
     assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
-    assert layer_16 == {"index_copy_": 1}, f"one ring write per layer and nothing else: {layer_16}"
+    assert layer_16 == {"index": 2, "index_put_": 2}, f"two window writes per layer and nothing else: {layer_16}"
     assert not SYNCS & set(step_16), f"a host-device sync on the per-step path: {step_16}"
-    assert engine.runner.evict_buffers.ring is not None
+    assert engine.runner.evict_buffers.ring is None and engine.scheduler.window_pages.loans >= 17
 
 
 def test_the_step_timer_runs_only_on_layers_with_work(tiny_llama, engine_factory):

@@ -244,7 +244,7 @@ class EvictRunnerMixin:
 
     def evict_kv_share(self, available: int) -> int:
         """The part of ``available`` KV-cache bytes left for K and V once eviction's buffers are counted:
-        the query ring (elastic servers and window_ring), and per token the position and the reserved states, in
+        the query ring (elastic servers), and per token the position and the reserved states, in
         proportion to the K/V bytes of that token."""
         if self.evict_server is None:
             return available

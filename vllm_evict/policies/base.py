@@ -16,9 +16,9 @@ queries for fixed-mode requests: it accumulates each window query's softmax row 
 state ``WINDOW_MASS`` when the query is computed (the keys it sees are exactly those it would see later,
 since nothing is evicted in between), following the policy's ``window_size`` / ``window_gain``, and
 sets ``window_count``; ``window_mass`` then returns that state. Its ``queries`` are then this step's
-own queries (what ``update_state`` of H2O and of AhaKV's decode reads). On a server started with
-``window_ring`` the engine computes the same state once, from the window's queries kept in its query
-ring, in the step that reads the window; the policy sees no difference.
+own queries (what ``update_state`` of H2O and of AhaKV's decode reads). A decoding request the scheduler
+has lent pages of the KV pool keeps its window's queries there instead, and the engine computes the same
+state once, from them, in the step that reads the window; the policy sees no difference.
 
 Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model (under tensor parallelism
 with more ranks than KV heads, ``queries`` holds this rank's share of the group: see ``kv_replicas``).
