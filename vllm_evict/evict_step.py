@@ -152,6 +152,11 @@ class Group:
     window_reset: bool = False  # the rows read their window in this step: the next one starts from zero
     # The rows' window queries waiting in lent pages, read in this step (None: none waits there).
     window_read: WindowRead | None = None
+    # The numeric options that differ between the rows (``EvictionInputs.row_options``), their host bounds,
+    # and each row's query window when they differ (elastic rows read that many from the ring).
+    row_options: dict[str, Tensor] = field(default_factory=dict)
+    row_option_bounds: dict[str, tuple] = field(default_factory=dict)
+    query_window: Tensor | None = None
 
 
 @dataclass
@@ -218,14 +223,17 @@ class WindowStep:
 def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
                 computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
                 ring_rows: np.ndarray | None, token_starts: np.ndarray | None,
-                window: WindowStep | None = None, to_device: Callable[..., list[Tensor]] | None = None) -> Group:
+                window: WindowStep | None = None, row_options: dict[str, np.ndarray] | None = None,
+                to_device: Callable[..., list[Tensor]] | None = None) -> Group:
     """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
 
     block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
     tokens before it; scheduled: this step's tokens; keep: tokens kept per head, or None (no eviction);
     ring_rows: each row's ring row (None: the rows keep no queries); token_starts: each row's first
     token in the packed token axis (needed to read this step's queries); window: the rows' accumulated
-    observation window (None: none, or kept as queries in the ring); to_device: the engine's staging
+    observation window (None: none, or kept as queries in the ring); row_options: the numeric options
+    that differ between the rows, per row (int64, or float64 for a float option; ``query_window``: each
+    row's policy's query window), the others are the policy's own; to_device: the engine's staging
     (``vllm_evict.staging.Staging.to_device``; None: pinned blocks of PyTorch's host allocator)."""
     device = block_table.device
     if to_device is None:
@@ -258,6 +266,11 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
         arrays["read"] = np.stack([slots.page.reshape(rows, -1), slots.offset.reshape(rows, -1),
                                    slots.in_v.reshape(rows, -1)])
         arrays["read_positions"] = positions
+    options = row_options or {}
+    names = sorted(options)
+    if names:  # floats travel as the bits of their float64
+        arrays["options"] = np.stack([options[n].astype(np.float64).view(np.int64) if options[n].dtype.kind == "f"
+                                      else options[n].astype(np.int64) for n in names])
     reads_mass = "window" in arrays or "read" in arrays
     if reads_mass and window.gain is not None:  # the staging copies int64: the float32 gains travel as their bits
         arrays["gain"] = window.gain.astype(np.float32).view(np.int32).astype(np.int64)
@@ -271,6 +284,10 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
         read_pages, read_offsets, read_in_v = copied["read"].unbind(0)
         window_read = WindowRead(pages=read_pages, offsets=read_offsets, in_v=read_in_v.bool(),
                                  positions=copied["read_positions"])
+    per_row = {n: copied["options"][i].view(torch.float64) if options[n].dtype.kind == "f" else copied["options"][i]
+               for i, n in enumerate(names)}
+    query_window = per_row.pop("query_window", None)
+    bounds = {n: (options[n].min().item(), options[n].max().item()) for n in per_row}
     pages, offsets = slot_addresses(block_table, width, page_size)
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,
@@ -281,7 +298,8 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                  max_seq_len=int((computed + scheduled).max()),
                  window_count=count_t if window is not None else None, window_tokens=window_tokens,
                  window_positions=window_positions, window_gain=window_gain,
-                 window_reset=window is not None and window.reset, window_read=window_read)
+                 window_reset=window is not None and window.reset, window_read=window_read,
+                 row_options=per_row, row_option_bounds=bounds, query_window=query_window)
 
 
 # ---- record phase ---------------------------------------------------------------------------------
@@ -373,7 +391,8 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         query_positions = group.step_token_positions
     elif group.ring_rows is not None and window and cache.ring is not None:  # elastic rows keep their queries
         queries = cache.ring[group.ring_rows].permute(0, 2, 1, 3)  # [R, H_q, W, d]
-        query_positions = dense.latest_queries(plan.ring_positions[group.ring_rows], group.seq_len, window)
+        count = group.query_window if group.query_window is not None else window
+        query_positions = dense.latest_queries(plan.ring_positions[group.ring_rows], group.seq_len, count)
     else:
         queries = step_query.new_zeros(rows, h_q, 0, d)
         query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
@@ -385,6 +404,7 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
         budget=group.budget, budget_max=group.budget_max, max_seq_len=group.max_seq_len,
         kv_replicas=cache.kv_replicas, kv_heads_total=cache.kv_heads_total, window_count=group.window_count,
+        row_options=group.row_options, row_option_bounds=group.row_option_bounds,
         ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
                           block_table=group.block_table, lengths=group.lengths, width=group.width,
                           shard=cache.shard))

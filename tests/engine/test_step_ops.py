@@ -6,6 +6,7 @@ Counted with a TorchDispatchMode around the real engine's hook and builder (tiny
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -143,3 +144,49 @@ def test_the_step_timer_runs_only_on_layers_with_work(tiny_llama, engine_factory
     layers = len(runner.evict_layers)
     assert work.count(False) >= 4, f"expected decode steps without work: {work}"
     assert all(timed) and len(timed) == layers * work.count(True), (timed, work)
+
+
+def prompt_end_step_counts(engine: Any, params: list) -> tuple[Counter, Counter, int]:
+    """Ops of one hooked layer and of the builder on the step that completes every prompt of the batch (all
+    of them evict there), and the number of groups that step scored."""
+    runner = engine.runner
+    seen: list[tuple[int, Counter, Counter, int]] = []
+    original_layer, original_build = runner._evict_layer, runner.evict_builder.build
+    current: dict[str, Any] = {}
+
+    def counted_build(runner_, plan, num_scheduled):
+        with OpCounter() as counter:
+            built = original_build(runner_, plan, num_scheduled)
+        configs = len(set(runner.evict_rows.policy[runner.evict_view.rows].tolist()))
+        current.update(tokens=built.num_tokens, build=counter.ops, groups=len(built.plan.groups), layers=[],
+                       configs=configs)
+        seen.append(current.copy())
+        return built
+
+    def counted_layer(index, layer, step, *args):
+        with OpCounter() as counter:
+            original_layer(index, layer, step, *args)
+        seen[-1]["layers"].append(counter.ops)
+
+    runner._evict_layer, runner.evict_builder.build = counted_layer, counted_build
+    try:
+        engine.llm.generate([token_prompt(100, offset=i) for i in range(len(params))], params)
+    finally:
+        runner._evict_layer, runner.evict_builder.build = original_layer, original_build
+    (step,) = [s for s in seen if s["tokens"] == 100 * len(params)]  # the whole batch's prompts in one step
+    assert all(c == step["layers"][0] for c in step["layers"]), "per-layer ops differ between layers"
+    return step["layers"][0], step["build"], step["groups"], step["configs"]
+
+
+def test_requests_of_one_method_share_a_group_whatever_their_numbers(tiny_llama, engine_factory):
+    """32 requests with 32 seeds, 32 budgets and 4 windows are scored in one call per layer, with the same
+    operations as 32 identical requests: the work per layer follows the methods in use, not the configs."""
+    server = {"policy": "snapkv", "budget": 64, "window": 16}
+    engine = engine_factory(tiny_llama, server, max_num_seqs=32, max_num_batched_tokens=3200, pages=2048)
+    same = prompt_end_step_counts(engine, [greedy(2)] * 32)
+    varied = prompt_end_step_counts(engine, [greedy(2, kv_budget=40 + i, kv_eviction_config=json.dumps(
+        {"seed": 1000 + i, "window": (8, 12, 16, 20)[i % 4]})) for i in range(32)])
+    assert (same[3], varied[3]) == (1, 32)  # one config, then 32 configs in the step
+    assert same[2] == varied[2] == 1, (same[2], varied[2])
+    assert varied[0] == same[0], f"ops per layer differ: {varied[0]} vs {same[0]}"
+    assert varied[1] == same[1], f"ops of the step builder differ: {varied[1]} vs {same[1]}"

@@ -21,7 +21,10 @@ window's queries (engine/window_pages.py), so neither moves, whatever happens to
 A request's eviction config is the canonical form the scheduler accepted (``vllm_evict.request_settings``):
 the worker never parses a request's JSON. The policy table holds one entry per distinct config of the
 requests held here, and forgets an entry when its last request ends, so its size is bounded by the
-requests the worker holds, however many distinct configs (seeds, budgets) clients send.
+requests the worker holds, however many distinct configs (seeds, budgets) clients send. Entries that
+differ only in numbers (seeds, budgets, windows, sinks, kernels, ratios, ...) share a *group*: a step
+scores their rows in one call, each row with its own numbers (``PolicyTable.group``), so the work per
+layer follows the methods in use, not the configs.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class PolicyTable:
         self.version = 0
         self._index: dict[str, int] = {}
         self._free: list[int] = []
+        # Per entry: its group (the entries a step scores together), its seed, and its numeric options
+        # and query window as float64 (exact: they are integers below 2^31 or floats).
+        self.group = np.zeros(0, dtype=np.int64)
+        self.seed = np.zeros(0, dtype=np.int64)
+        self.numbers: dict[str, np.ndarray] = {}
+        self._groups: dict[tuple, int] = {}  # group key -> id (a fixed set: methods x choice options)
 
     def acquire(self, config: EvictionConfig) -> tuple[int, bool]:
         """The index of ``config``, counted as one more user; True when the entry is new."""
@@ -69,10 +78,33 @@ class PolicyTable:
                 self.configs.append(config)
                 self.policies.append(policy)
                 self.users.append(0)
+                self._grow(index + 1)
+            self._describe(index, config, policy)
             self._index[key] = index
             self.version += 1
         self.users[index] += 1
         return index, new
+
+    def _grow(self, size: int) -> None:
+        if size <= len(self.group):
+            return
+        size = max(size, 2 * len(self.group))
+        self.group = np.resize(self.group, size)
+        self.seed = np.resize(self.seed, size)
+        self.numbers = {name: np.resize(values, size) for name, values in self.numbers.items()}
+
+    def _describe(self, index: int, config: EvictionConfig, policy: Policy) -> None:
+        """Entry ``index``'s group and numbers (``group_key`` says which configs share a group)."""
+        key = group_key(config, policy)
+        self.group[index] = self._groups.setdefault(key, len(self._groups))
+        self.seed[index] = config.seed
+        options = policy.all_options()
+        numbers = {name: options[name] for name in policy.row_option_names() if options[name] is not None}
+        numbers["query_window"] = policy.query_window or 0
+        for name, value in numbers.items():
+            if name not in self.numbers:
+                self.numbers[name] = np.zeros(len(self.group), dtype=np.float64)
+            self.numbers[name][index] = value
 
     def release(self, index: int) -> None:
         """One user of ``index`` is gone; the entry is forgotten with its last user."""
@@ -91,6 +123,17 @@ class PolicyTable:
 
     def __len__(self) -> int:
         return len(self.configs)
+
+
+def group_key(config: EvictionConfig, policy: Policy) -> tuple:
+    """What the configs one call can score together share: the method, the mode, every option that is
+    not a number (choices such as pooling), and which numeric options are left to their automatic rule
+    (None). Seeds, budgets and the numeric options differ per row."""
+    numeric = set(policy.row_option_names())
+    options = policy.all_options()
+    fixed = tuple(sorted((name, repr(value)) for name, value in options.items()
+                         if name not in numeric or value is None))
+    return config.policy, config.mode, fixed
 
 
 class RowTable:

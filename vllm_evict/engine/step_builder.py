@@ -174,7 +174,10 @@ class StepBuilder:
         rows_by_id: dict[str, int] = {}
         if acting.any():
             phase = phase_codes(computed, scheduled, prompt)
-            key = (policy_index * 3 + phase) * 2 + (keep >= 0)
+            # One group per method (and choice options), phase and whether it evicts: rows differing only in
+            # numbers (seeds, budgets, windows, ...) are scored together, each with its own.
+            group = np.where(policy_index >= 0, self.rows.policies.group[np.maximum(policy_index, 0)], -1)
+            key = (group * 3 + phase) * 2 + (keep >= 0)
             for k in np.unique(key[acting]):
                 rows = np.nonzero(acting & (key == k))[0]
                 step.groups.append(self._group(view, rows, policies[int(policy_index[rows[0]])],
@@ -277,15 +280,30 @@ class StepBuilder:
         pages = -(-int(lengths.max()) // self.page_size)
         table_rows = view.rows[rows]  # ``rows`` are batch rows
         table = view.block_table(table_rows, pages, self.staging.to_device)
-        seed = self.rows.policies.configs[int(self.rows.policy[table_rows[0]])].seed
+        entries = self.rows.policy[table_rows]
         evicting = bool(keep[rows[0]] >= 0)
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
-                           scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
+                           scheduled=scheduled[rows], seed=self.rows.policies.seed[entries],
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
                            token_starts=view.query_start[rows],
-                           window=windows.step(rows, policy),
+                           window=windows.step(rows, policy), row_options=row_options(self.rows.policies, policy, entries),
                            to_device=self.staging.to_device)
+
+
+def row_options(table: Any, policy: Policy, entries: np.ndarray) -> dict[str, np.ndarray]:
+    """The numeric options (and query windows) that differ between the rows of a group whose rows use
+    ``entries`` of the policy table: per row, int64 for an int option, float64 for a float one."""
+    out: dict[str, np.ndarray] = {}
+    options = policy.all_options()
+    for name in (*policy.row_option_names(), "query_window"):
+        numbers = table.numbers.get(name)
+        if numbers is None or (name != "query_window" and options[name] is None):
+            continue
+        values = numbers[entries]
+        if (values != values[0]).any():
+            out[name] = values if isinstance(options.get(name), float) else values.astype(np.int64)
+    return out
 
 
 # ---- elastic mode: compression before the forward ------------------------------------------------
@@ -312,18 +330,21 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
         phase = 2 if logical >= view.prompt_len(request_id) else 0
         victims.append((request_id, row, evicted, cached, policy, slot, keep, phase))
     groups = []
-    for key in sorted({(v[4], v[7]) for v in victims}):
-        members = [v for v in victims if (v[4], v[7]) == key]
+    policies = rows.policies
+    for key in sorted({(int(policies.group[v[4]]), v[7]) for v in victims}):
+        members = [v for v in victims if (int(policies.group[v[4]]), v[7]) == key]
         width = max(-(-v[3] // page) for v in members)
         table = view.page_table([v[0] for v in members], width, staging.to_device)
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
-        policy = rows.policies.policies[key[0]]
+        entries = column(4)
+        policy = policies.policies[int(entries[0])]
         groups.append(build_group(
             policy, PHASES[key[1]], table, page,
             lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
-            seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
+            seed=policies.seed[entries], keep=column(6),
             ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
-            token_starts=np.zeros(len(members), dtype=np.int64), to_device=staging.to_device))
+            token_starts=np.zeros(len(members), dtype=np.int64), row_options=row_options(policies, policy, entries),
+            to_device=staging.to_device))
     device = runner.evict_buffers.geometry.device
     nothing = torch.zeros(0, dtype=torch.int64, device=device)
     step = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32), ring_index=None),
@@ -343,6 +364,20 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
 
 
 # ---- window pages given back before the forward ----------------------------------------------------
+def window_read_gains(policies: Any, entries: np.ndarray, cached: np.ndarray, logical: np.ndarray, page: int,
+                      head_size: int) -> np.ndarray | None:
+    """The logit gain each row's window read would use (None: 1): its decode eviction's, at budget + slack."""
+    gains = np.full(len(entries), np.nan)
+    for entry in np.unique(entries):
+        rows = entries == entry
+        config, policy = policies.configs[int(entry)], policies.policies[int(entry)]
+        end = config.budget + config.slack_for(page)
+        gain = policy.window_gain(logical[rows] + end - cached[rows], np.full(int(rows.sum()), config.budget), head_size)
+        if gain is not None:
+            gains[rows] = gain
+    return None if np.isnan(gains).all() else gains
+
+
 def return_window_pages(runner: Any, request_ids: list[str]) -> None:
     """The scheduler took back these requests' lent window pages (engine/window_lender.py) and may hand
     them to another request in this very step: before the forward writes anything, the mass of the
@@ -361,14 +396,13 @@ def return_window_pages(runner: Any, request_ids: list[str]) -> None:
             evicted, cached, policy, _, count = rows.parked[request_id] if row is None else (
                 int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), slot, int(rows.window[row]))
             victims.append((request_id, slot, evicted, cached, policy, count))
-    for index in sorted({v[4] for v in victims}):
-        members = [v for v in victims if v[4] == index]
+    policies = rows.policies
+    for group_id in sorted({int(policies.group[v[4]]) for v in victims}):
+        members = [v for v in victims if int(policies.group[v[4]]) == group_id]
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
-        slots, cached, logical = column(1), column(3), column(3) + column(2)
-        policy, config = rows.policies.policies[index], rows.policies.configs[index]
-        # The gain the window's read would use: its decode eviction, at budget + slack.
-        end = config.budget + config.slack_for(page)
-        gain = policy.window_gain(logical + end - cached, np.full(len(members), config.budget), buffers.geometry.head_size)
+        slots, cached, logical, entries = column(1), column(3), column(3) + column(2), column(4)
+        policy = policies.policies[int(entries[0])]
+        gain = window_read_gains(policies, entries, cached, logical, page, buffers.geometry.head_size)
         lent = rows.window_pages[slots]
         table = view.page_table([v[0] for v in members], max(-(-int(cached.max()) // page), 1),
                                 runner.evict_builder.staging.to_device)
@@ -376,9 +410,10 @@ def return_window_pages(runner: Any, request_ids: list[str]) -> None:
                             queued=rows.window_queued[slots], capacity=window_capacity((lent != NO_PAGE).sum(axis=1), group, page),
                             group=group, flush=True)
         flushed = build_group(policy, Phase.DECODE, table, page, lengths=cached, computed=logical,
-                              scheduled=np.zeros(len(members), dtype=np.int64),
-                              seed=np.full(len(members), config.seed, dtype=np.int64), keep=None, ring_rows=None,
-                              token_starts=None, window=window, to_device=runner.evict_builder.staging.to_device)
+                              scheduled=np.zeros(len(members), dtype=np.int64), seed=policies.seed[entries],
+                              keep=None, ring_rows=None, token_starts=None, window=window,
+                              row_options=row_options(policies, policy, entries),
+                              to_device=runner.evict_builder.staging.to_device)
         nothing = flushed.seq_len[:0]
         plan = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32),
                                       ring_index=None), groups=[flushed], ring_positions=None)
