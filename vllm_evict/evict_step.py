@@ -434,6 +434,26 @@ def window_queries(cache: LayerCache, group: Group, step_query: Tensor) -> tuple
     return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=1)
 
 
+def fuses_window(cache: LayerCache, group: Group) -> bool:
+    """Whether the rows' window mass goes straight into the paged state (``ops.accumulate_window_mass``):
+    a group-summed mass on a rank that holds whole query-head groups. Otherwise (a per-query-head mass, or
+    KV heads replicated over tensor-parallel ranks, whose partial sums are completed first) it is
+    computed, completed and added by ``accumulate_window``."""
+    return not group.policy.head_state_names and cache.kv_replicas == 1
+
+
+def add_window_mass(cache: LayerCache, group: Group, queries: Tensor, query_positions: Tensor) -> None:
+    """The window mass of ``queries`` ([R, H_q, M, d] at ``query_positions`` [R, M]) added into the paged
+    state WINDOW_MASS at the rows' slots: the window pass, its softmax and the update in one operation."""
+    gain = None
+    if group.window_gain is not None:
+        gain = dense.row_gains(group.window_gain, query_positions.shape[0], query_positions.shape[1],
+                               query_positions.device).contiguous()
+    ops.accumulate_window_mass(cache.state[WINDOW_MASS], cache.k, group.block_table, group.lengths,
+                               queries.permute(0, 2, 1, 3).to(cache.k.dtype), query_positions, cache.scale,
+                               positions=cache.positions, width=group.width, gain=gain)
+
+
 def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, queries: Tensor,
                       query_positions: Tensor) -> EvictionInputs:
     """Add the softmax rows of window queries ([R, H_q, M, d] at ``query_positions`` [R, M], -1: none;
@@ -457,8 +477,14 @@ def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[T
     compacted. Returns each group's kept slots [R, H, budget_max] (None where it evicts nothing)."""
     kept: list[Tensor | None] = []
     for group in plan.groups:
-        inp = group_inputs(cache, group, plan, step_query)
         window = window_queries(cache, group, step_query)
+        if window is not None and fuses_window(cache, group):
+            add_window_mass(cache, group, *window)  # into the paged state, before anything reads it
+            window = None
+            if group.budget is None and not group.window_reset and not group.policy.needs_every_step:
+                kept.append(None)  # a step inside a window, nothing else to do
+                continue
+        inp = group_inputs(cache, group, plan, step_query)
         if window is not None:
             inp = accumulate_window(cache, group, inp, *window)
         result = group.policy.step(inp)
