@@ -23,6 +23,7 @@ from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, ch
 from vllm_evict.vllm_version import SUPPORTED_VLLM, check_vllm_version
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
+CONFIGURATION_DOC = "docs/configuration.md in the vllm-evict repository"  # where --help points
 
 __all__ = ["CPU_WORKER_CLS", "GPU_WORKER_CLS", "SCHEDULER_CLS", "SUPPORTED_VLLM", "add_eviction_args",
            "check_request_fits", "eviction_mapping_from_args", "front_end_settings", "register",
@@ -53,15 +54,17 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "KV eviction (vllm-evict)",
         "Keep only the KV-cache tokens that matter: per KV head, score cached tokens and keep a "
-        "per-sequence budget; freed pages go back to the block pool.")
+        "per-sequence budget; freed pages go back to the block pool. Every option, its default and "
+        f"range: {CONFIGURATION_DOC}")
     group.add_argument("--kv-eviction", dest="kv_eviction", default=None, metavar="POLICY",
                        help="eviction policy [META+]BASE, e.g. caote+snapkv, keydiff, snapkv; "
                             "`python -m vllm_evict policies` lists them")
     group.add_argument("--kv-budget", dest="kv_budget", type=int, default=None, metavar="TOKENS",
                        help="tokens kept per sequence, layer and KV head")
     group.add_argument("--kv-eviction-config", dest="kv_eviction_config", type=json.loads, default=None,
-                       metavar="JSON", help='policy and schedule options, e.g. \'{"window": 32, '
-                                            '"schedule": "chunked", "slack": 16}\'')
+                       metavar="JSON", help='every other option as a JSON object, e.g. \'{"window": 32, '
+                                            '"schedule": "chunked", "slack": 16}\' (the list: '
+                                            f'{CONFIGURATION_DOC})')
 
 
 def eviction_mapping_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
