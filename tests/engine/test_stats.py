@@ -17,7 +17,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from tests.engine.helpers import BLOCK, Engine, greedy, make_llm, token_prompt
+from tests.engine.helpers import BLOCK, TEST_RUNNER, Engine, greedy, make_llm, token_prompt
 from tests.eviction_oracle import expected_run
 from vllm_evict.config import EvictionConfig
 from vllm_evict.request_settings import resolve_request_config
@@ -135,13 +135,17 @@ def test_mixed_batch_counters_add_up_the_requests(engine: Engine) -> None:
 def test_n_above_one_evicts_every_sequence_and_reports_one(engine: Engine) -> None:
     """``n = 3``: vLLM runs three requests in the engine, each evicted by the schedule rule; the response
     carries one ``kv_transfer_params`` (one sequence's stats: docs/compatibility.md), the metrics count all."""
+    if TEST_RUNNER == "v2":
+        pytest.skip("vLLM's front end fans n out into requests, whatever the runner; V1 pass only (20 s on V2)")
     config = resolve_request_config(SERVER, {})
-    expected = expected_run(config, prompt_len=PROMPT, max_tokens=MAX_TOKENS, chunk=CHUNK, page=BLOCK)
+    max_tokens = BLOCK + 8  # the decode grows past budget + one page once
+    expected = expected_run(config, prompt_len=PROMPT, max_tokens=max_tokens, chunk=CHUNK, page=BLOCK)
+    assert expected.eviction_steps == 2  # after the prompt, and once while decoding
     before = snapshot(engine)
-    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(n=3, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
     (output,) = engine.llm.generate([token_prompt(PROMPT, 11)], params)
     after = settle(engine)
-    assert [len(c.token_ids) for c in output.outputs] == [MAX_TOKENS] * 3
+    assert [len(c.token_ids) for c in output.outputs] == [max_tokens] * 3
     assert eviction_stats(output) == expected.stats
     assert delta(before, after, Metric.REQUESTS.value, policy="snapkv") == 3
     assert delta(before, after, Metric.EVICTED_TOKENS.value) == 3 * expected.stats.tokens_evicted
@@ -152,6 +156,8 @@ def test_prompt_logprobs_see_the_cache_as_eviction_left_it(engine: Engine) -> No
     """Prompt logprobs come from the prefill's own forward passes: with SnapKV's one-shot schedule the
     whole prompt is cached until it ends, so they equal a full cache's; with the chunked schedule the
     chunks after the first eviction attend over the kept tokens only, so theirs differ."""
+    if TEST_RUNNER == "v2":
+        pytest.skip("what attention sees is the runner-independent eviction step; V1 pass only (10 s on V2)")
     prompt = token_prompt(PROMPT, 13)
 
     def prompt_logprobs(**xargs: Any) -> list[float]:
