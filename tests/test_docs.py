@@ -330,8 +330,12 @@ def llama_8b_costs() -> dict[str, str]:
 
 def test_readme_costs_are_the_memory_formula() -> None:
     costs = section(README.read_text(), "Costs")
-    for what, figure in llama_8b_costs().items():
+    figures = llama_8b_costs()
+    for what, figure in figures.items():
         assert figure in costs, f"the README's costs lack {what}: {figure}"
+    # The reference quotes the ring's share where it describes window_ring.
+    ring = rows_by(CONFIGURATION.read_text(), "Server options (refused per request)", "key")[("window_ring",)]
+    assert re.findall(r"\d+\.\d+%", ring["when to use it"]) == [figures["window_ring"]]
 
 
 def test_throughput_page_ring_figures_are_the_memory_formula() -> None:
