@@ -30,8 +30,10 @@ def resolve(command: str) -> Callable[[list[str]], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vllm_evict",
-                                     description="vllm-evict: per-head KV-cache token eviction for vLLM")
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_evict", description="vllm-evict: per-head KV-cache token eviction for vLLM",
+        epilog="The server's eviction flags: `python -m vllm_evict serve --help=all` (group \"KV eviction\"); "
+               "every option with its default and range: docs/configuration.md in the vllm-evict repository.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         # The command parses its own arguments (including --help), so its subparser takes none.

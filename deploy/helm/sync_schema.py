@@ -9,7 +9,7 @@ server would refuse by name:
 * ``eviction.policy.enum``: "none", every base policy, and every META+BASE pair the meta score accepts
   (the same rule ``vllm_evict.config.build_policy`` applies);
 * ``eviction.config.properties``: the engine options (schedule, slack, seed, mode), the server-only
-  options (max_window, request_policies: docs/security.md) and every policy option name, typed after its
+  options (max_window, request_policies: docs/configuration.md) and every policy option name, typed after its
   default value. Which option applies to which policy is checked by the server
   at start-up; the schema only refuses names no policy knows and values of the wrong type;
 * ``eviction.allOf``: the smallest budget each policy accepts with its default options (the budget must

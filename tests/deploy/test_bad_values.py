@@ -63,6 +63,10 @@ SCHEMA_CASES: list[tuple[str, dict[str, Any], str]] = [
      "at '/ray/auth/mode': value must be one of 'token', 'disabled'"),
     ("Ray token under an empty key", {"ray": {"auth": {"secretKey": ""}}},
      "at '/ray/auth/secretKey': minLength: got 0, want 1"),
+    ("unknown compile cache source", {"compileCache": {"source": "hostPath"}},
+     "at '/compileCache/source': value must be one of 'emptyDir', 'pvc'"),
+    ("relative plugin path", {"plugin": {"path": "site"}}, "at '/plugin/path': 'site' does not match pattern '^/.'"),
+    ("pip arguments as one string", {"plugin": {"pipArgs": "--index-url x"}}, "at '/plugin/pipArgs': got string, want array"),
 ]
 
 # values -> the message of the template's `fail`.
@@ -91,6 +95,12 @@ TEMPLATE_CASES: list[tuple[str, list[Any], str]] = [
      "ray.enabled: every Ray pod loads the model from model.path, so the model claim must be shared: set "
      "model.pvc.accessModes to [ReadOnlyMany] or [ReadWriteMany], use model.pvc.existingClaimName, or use "
      "model.source initContainer without persistent"),
+    ("plugin install without the package", [{"plugin": {"install": True}}],
+     "plugin.install needs the package: set plugin.wheelConfigMap (a ConfigMap holding the wheel) or plugin.package "
+     "(a wheel URL or a requirement your index serves)"),
+    ("one cache claim for two pods", [{"replicaCount": 2, "compileCache": {"source": "pvc"}}],
+     "compileCache.source pvc: several pods (replicas or Ray workers) mount the cache claim: set "
+     "compileCache.pvc.accessModes to [ReadWriteMany], use compileCache.pvc.existingClaimName, or use source emptyDir"),
 ]
 
 
@@ -125,5 +135,7 @@ def test_every_good_setting_renders() -> None:
                    # A smaller window: the budget is the server's to check (at start-up).
                    {"eviction": {"policy": "snapkv", "budget": 16, "config": {"window": 8}}},
                    {"model": {"path": "/models/a/b", "source": "initContainer"}},
-                   {"vllmConfig": {"extraArgs": ["--kv-cache-dtype", "auto", "--max-num-seqs=8"]}}):
+                   {"vllmConfig": {"extraArgs": ["--kv-cache-dtype", "auto", "--max-num-seqs=8"]}},
+                   {"plugin": {"install": True, "package": "vllm-evict==0.1.0"}},
+                   {"replicaCount": 2, "compileCache": {"source": "pvc", "pvc": {"accessModes": ["ReadWriteMany"]}}}):
         assert render_manifests(values)

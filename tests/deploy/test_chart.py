@@ -20,7 +20,7 @@ helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (make in
 pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (make install)")
 
 from tests.deploy.chart import (  # noqa: E402
-    CHART, KUBE_VERSIONS, NAMESPACE, container, env_of, find, merge_values, profile, render, validate,
+    CHART, KUBE_VERSIONS, NAMESPACE, REPO, container, env_of, find, merge_values, profile, render, validate,
     values_file,
 )
 
@@ -45,6 +45,12 @@ CASES: dict[str, tuple[list[Any], list[str]]] = {
                  "StatefulSet"]),
     "cpu-ray-init-container": ([profile("cpu"), values_file("init-container"), RAY_CPU],
                                ["ConfigMap", "Deployment", "Secret", "Service", "Service", "Service", "StatefulSet"]),
+    "gpu-vllm-image": ([profile("gpu"), profile("vllm-image")], ["Deployment", "PersistentVolumeClaim", "Service"]),
+    "gpu-compile-cache-claim": ([profile("gpu"), {"compileCache": {"source": "pvc"}}],
+                                ["Deployment", "PersistentVolumeClaim", "PersistentVolumeClaim", "Service"]),
+    "gpu-ray-vllm-image": ([profile("gpu"), profile("ray-gpu"), profile("vllm-image")],
+                           ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Secret", "Service", "Service",
+                            "Service", "StatefulSet"]),
     "gpu-ray-existing-token": ([profile("gpu"), profile("ray-gpu"), {"ray": {"auth": {"existingSecret": "ray-token"}}}],
                                ["ConfigMap", "Deployment", "PersistentVolumeClaim", "Service", "Service", "Service",
                                 "StatefulSet"]),
@@ -306,7 +312,8 @@ def test_ray_off_renders_no_ray_objects() -> None:
     objects = render(profile("gpu"))
     assert not [o for o in objects if o["kind"] in ("StatefulSet", "ConfigMap", "Secret")]
     server = container(find(objects, "Deployment"), "server")
-    assert "--distributed-executor-backend" not in server["args"] and "env" not in server
+    assert "--distributed-executor-backend" not in server["args"]
+    assert not [e for e in server["env"] if e["name"].startswith("RAY_") or e["name"] == "VLLM_HOST_IP"]
 
 
 def ray_scripts(*sources: Any) -> dict[str, str]:
@@ -333,3 +340,89 @@ def test_ray_scripts_are_valid_shell(tmp_path: Path) -> None:
         assert syntax.returncode == 0, f"{name}: {syntax.stderr}"
         lint = subprocess.run([str(shellcheck), "--shell=bash", str(path)], capture_output=True, text=True)
         assert lint.returncode == 0, f"shellcheck {name}:\n{lint.stdout}{lint.stderr}"
+
+
+# ---- an existing vLLM image plus the package (plugin.install), and the compile caches -----------------------
+CACHE_ENV = {"XDG_CACHE_HOME": "/cache", "TORCH_EXTENSIONS_DIR": "/cache/torch_extensions",
+             "TRITON_CACHE_DIR": "/cache/triton", "VLLM_CACHE_ROOT": "/cache/vllm"}
+
+
+def test_compile_caches_are_on_one_volume_by_default() -> None:
+    objects = render(profile("gpu"))
+    pod = find(objects, "Deployment")["spec"]["template"]["spec"]
+    server = container(find(objects, "Deployment"), "server")
+    assert {k: v for k, v in env_of(server).items() if k in CACHE_ENV} == CACHE_ENV
+    assert {"name": "compile-cache", "mountPath": "/cache"} in server["volumeMounts"]
+    assert {"name": "compile-cache", "emptyDir": {}} in pod["volumes"]
+    assert "PYTHONPATH" not in env_of(server) and "initContainers" not in pod
+    # A claim instead: the chart's own (kept on uninstall), or yours.
+    objects = render(profile("gpu"), {"compileCache": {"source": "pvc", "pvc": {"size": "20Gi"}}})
+    claim = find(objects, "PersistentVolumeClaim", f"{FULLNAME}-compile-cache")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    pod = find(render(profile("gpu"), {"compileCache": {"source": "pvc", "pvc": {"existingClaimName": "kernels"}}}),
+               "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "compile-cache", "persistentVolumeClaim": {"claimName": "kernels"}} in pod["volumes"]
+    off = container(find(render(profile("gpu"), {"compileCache": {"enabled": False}}), "Deployment"), "server")
+    assert not set(CACHE_ENV) & set(env_of(off)) and "compile-cache" not in json.dumps(off)
+
+
+def test_an_existing_vllm_image_gets_the_package_at_pod_start() -> None:
+    objects = render(profile("gpu"), profile("vllm-image"))
+    pod = find(objects, "Deployment")["spec"]["template"]["spec"]
+    server = container(find(objects, "Deployment"), "server")
+    assert server["image"] == "vllm/vllm-openai:v0.33.0"
+    assert server["command"] == ["python3", "-m", "vllm_evict", "serve"]
+    assert env_of(server)["PYTHONPATH"] == "/opt/vllm-evict/site"
+    plugin_mount = {"name": "vllm-evict-plugin", "mountPath": "/opt/vllm-evict/site", "readOnly": True}
+    assert plugin_mount in server["volumeMounts"]
+    [install] = pod["initContainers"]
+    assert install["name"] == "vllm-evict-install" and install["image"] == server["image"]
+    assert install["args"][0].endswith("/opt/vllm-evict/wheel/*.whl && PYTHONPATH=\"$VLLM_EVICT_SITE\" python3 -c "
+                                       "'import vllm_evict.plugin'")
+    assert {"name": "vllm-evict-wheel", "configMap": {"name": "vllm-evict-wheel"}} in pod["volumes"]
+    # From a package index instead of a ConfigMap: the requirement and pip's arguments follow the script.
+    [install] = find(render(profile("gpu"), {"plugin": {"install": True, "package": "vllm-evict==0.1.0",
+                                                         "pipArgs": ["--index-url", "https://pypi.example/simple"]}}),
+                     "Deployment")["spec"]["template"]["spec"]["initContainers"]
+    assert install["args"][1:] == ["pip-install", "--index-url", "https://pypi.example/simple", "vllm-evict==0.1.0"]
+    assert "wheel" not in json.dumps(install["volumeMounts"])
+
+
+def test_ray_pods_of_an_existing_vllm_image_get_the_package_too() -> None:
+    objects = render(profile("gpu"), profile("ray-gpu"), profile("vllm-image"))
+    worker = find(objects, "StatefulSet")["spec"]["template"]["spec"]
+    assert [c["name"] for c in worker["initContainers"]] == ["vllm-evict-install"]
+    assert env_of(container(find(objects, "StatefulSet"), "ray-worker"))["PYTHONPATH"] == "/opt/vllm-evict/site"
+    assert ray_scripts(profile("vllm-image"))["head.sh"].rstrip().endswith('exec python3 -m vllm_evict serve "$@"')
+
+
+def test_the_install_script_puts_a_loadable_plugin_on_the_path(tmp_path: Path) -> None:
+    """Runs the init container's script here, as the pod would (the image's python3: this environment's;
+    only the folders swapped for temporary ones), on a wheel built from the sources the Dockerfile copies;
+    then a Python without site-packages finds the plugin's entry point through PYTHONPATH alone, as vLLM
+    does in the server container. About 10 s (a wheel build, a pip install, an import of torch)."""
+    import os
+    import shutil
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "vllm_evict", source / "vllm_evict", ignore=shutil.ignore_patterns("__pycache__"))
+    wheels, site = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
+                    str(source)], check=True, capture_output=True, timeout=300)
+    pod = find(render(profile("gpu"), profile("vllm-image")), "Deployment")["spec"]["template"]["spec"]
+    [install] = pod["initContainers"]
+    script = install["args"][0].replace("/opt/vllm-evict/wheel/", f"{wheels}/")
+    env = dict(os.environ, VLLM_EVICT_SITE=str(site), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run([*install["command"], script, *install["args"][1:]], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    probe = ("import importlib.metadata as m, importlib.util as u; "
+             "print([e.value for e in m.entry_points(group='vllm.general_plugins')], u.find_spec('vllm_evict').origin)")
+    found = subprocess.run([sys.executable, "-S", "-c", probe], env=dict(os.environ, PYTHONPATH=str(site)),
+                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["['vllm_evict.plugin:register']", str(site / "vllm_evict" / "__init__.py")]

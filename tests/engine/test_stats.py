@@ -17,7 +17,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from tests.engine.helpers import BLOCK, Engine, greedy, make_llm, token_prompt
+from tests.engine.helpers import BLOCK, TEST_RUNNER, Engine, greedy, make_llm, token_prompt
 from tests.eviction_oracle import expected_run
 from vllm_evict.config import EvictionConfig
 from vllm_evict.request_settings import resolve_request_config
@@ -130,6 +130,51 @@ def test_mixed_batch_counters_add_up_the_requests(engine: Engine) -> None:
     for policy in ("snapkv", "keydiff", "none"):
         assert delta(before, after, Metric.REQUESTS.value, policy=policy) == sum(s.policy == policy for s in stats)
     assert_idle(engine, after)
+
+
+def test_n_above_one_evicts_every_sequence_and_reports_one(engine: Engine) -> None:
+    """``n = 3``: vLLM runs three requests in the engine, each evicted by the schedule rule; the response
+    carries one ``kv_transfer_params`` (one sequence's stats: docs/compatibility.md), the metrics count all."""
+    if TEST_RUNNER == "v2":
+        pytest.skip("vLLM's front end fans n out into requests, whatever the runner; V1 pass only (20 s on V2)")
+    config = resolve_request_config(SERVER, {})
+    max_tokens = BLOCK + 8  # the decode grows past budget + one page once
+    expected = expected_run(config, prompt_len=PROMPT, max_tokens=max_tokens, chunk=CHUNK, page=BLOCK)
+    assert expected.eviction_steps == 2  # after the prompt, and once while decoding
+    before = snapshot(engine)
+    params = SamplingParams(n=3, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+    (output,) = engine.llm.generate([token_prompt(PROMPT, 11)], params)
+    after = settle(engine)
+    assert [len(c.token_ids) for c in output.outputs] == [max_tokens] * 3
+    assert eviction_stats(output) == expected.stats
+    assert delta(before, after, Metric.REQUESTS.value, policy="snapkv") == 3
+    assert delta(before, after, Metric.EVICTED_TOKENS.value) == 3 * expected.stats.tokens_evicted
+    assert_idle(engine, after)
+
+
+def test_prompt_logprobs_see_the_cache_as_eviction_left_it(engine: Engine) -> None:
+    """Prompt logprobs come from the prefill's own forward passes: with SnapKV's one-shot schedule the
+    whole prompt is cached until it ends, so they equal a full cache's; with the chunked schedule the
+    chunks after the first eviction attend over the kept tokens only, so theirs differ."""
+    if TEST_RUNNER == "v2":
+        pytest.skip("what attention sees is the runner-independent eviction step; V1 pass only (10 s on V2)")
+    prompt = token_prompt(PROMPT, 13)
+
+    def prompt_logprobs(**xargs: Any) -> list[float]:
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, extra_args=xargs or None)
+        (output,) = engine.llm.generate([prompt], params)
+        ids = prompt["prompt_token_ids"]
+        return [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], ids[1:])]
+
+    full = prompt_logprobs(kv_eviction="none")
+    assert len(full) == PROMPT - 1
+    assert prompt_logprobs() == pytest.approx(full, abs=1e-5)
+    chunked = prompt_logprobs(kv_eviction_config={"schedule": "chunked"})
+    # Chunks of 64: the first eviction runs after the second chunk (128 > budget 64); tokens 1..128 are
+    # scored before it, the third chunk's after it.
+    assert chunked[:2 * CHUNK] == pytest.approx(full[:2 * CHUNK], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(chunked[2 * CHUNK:], full[2 * CHUNK:])) > 1e-3
+    settle(engine)
 
 
 def test_stop_string_request_reports_at_the_output_that_stopped_it(engine: Engine) -> None:

@@ -192,6 +192,16 @@ def test_report_scores_average_tasks_equally_over_common_tasks():
     assert errors.errors and not errors.scores
 
 
+def test_side_by_side_scores_every_row_over_the_same_tasks():
+    """The full cache ran on more tasks than a method: its row is scored over the tasks the whole table shares."""
+    rows = [record(backend=b, method="full", ratio=0.0, task=t, score=s) for b in ("kvpress", "engine")
+            for t, s in (("passkey", 1.0), ("vt", 0.0))]
+    rows += [record(backend="kvpress", method="snapkv", task="passkey"), record(method="snapkv", task="passkey")]
+    text = report.side_by_side(report.Table(rows), "aware")
+    assert text.startswith("Tasks: passkey.\n")
+    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 |" in text  # not 50.0 over passkey and vt
+
+
 def test_side_by_side_and_claims_read_the_right_rows():
     rows = [record(backend="kvpress", method="snapkv", score=1.0), record(method="snapkv", score=0.0),
             record(backend="kvpress", method="full", ratio=0.0), record(method="full", ratio=0.0),

@@ -119,6 +119,24 @@ app.kubernetes.io/part-of: vllm-evict
     {{- with .Values.shmSize }}
     sizeLimit: {{ . }}
     {{- end }}
+{{- if .Values.plugin.install }}
+- name: vllm-evict-plugin
+  emptyDir: {}
+{{- with .Values.plugin.wheelConfigMap }}
+- name: vllm-evict-wheel
+  configMap:
+    name: {{ . }}
+{{- end }}
+{{- end }}
+{{- if .Values.compileCache.enabled }}
+- name: compile-cache
+{{- if eq .Values.compileCache.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ include "vllm-evict.cachePvcName" . }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "vllm-evict.volumeMounts" -}}
@@ -126,6 +144,44 @@ app.kubernetes.io/part-of: vllm-evict
   mountPath: {{ .Values.model.mountPath }}
 - name: shm
   mountPath: /dev/shm
+{{- if .Values.plugin.install }}
+- name: vllm-evict-plugin
+  mountPath: {{ .Values.plugin.path }}
+  readOnly: true
+{{- end }}
+{{- if .Values.compileCache.enabled }}
+- name: compile-cache
+  mountPath: {{ .Values.compileCache.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* What every container running vLLM adds to its environment: the package's folder on PYTHONPATH
+(plugin.install) and the compile caches on their volume (compileCache). */}}
+{{- define "vllm-evict.runtimeEnv" -}}
+{{- if .Values.plugin.install }}
+- name: PYTHONPATH
+  value: {{ .Values.plugin.path | quote }}
+{{- end }}
+{{- if .Values.compileCache.enabled }}
+{{- $root := trimSuffix "/" .Values.compileCache.mountPath }}
+- name: XDG_CACHE_HOME
+  value: {{ $root | quote }}
+- name: TORCH_EXTENSIONS_DIR
+  value: {{ printf "%s/torch_extensions" $root | quote }}
+- name: TRITON_CACHE_DIR
+  value: {{ printf "%s/triton" $root | quote }}
+- name: VLLM_CACHE_ROOT
+  value: {{ printf "%s/vllm" $root | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The server command: the image's `vllm-evict serve`, or the module of the package installed at pod start. */}}
+{{- define "vllm-evict.serveCommand" -}}
+{{- if .Values.plugin.install }}python3 -m vllm_evict serve{{ else }}vllm-evict serve{{ end }}
+{{- end }}
+
+{{- define "vllm-evict.cachePvcName" -}}
+{{- default (printf "%s-compile-cache" (include "vllm-evict.fullname" .)) .Values.compileCache.pvc.existingClaimName }}
 {{- end }}
 
 {{/* Ray's token authentication (ray.auth): the Secret with the token, and what every Ray pod (head and
@@ -162,11 +218,45 @@ workers) adds to its env, volume mounts and volumes so that all of them present 
 {{- end }}
 {{- end }}
 
-{{/* The init container that writes the model (model.source: initContainer). */}}
+{{/* The init containers: the package's install into the plugin volume (plugin.install), then the model's
+(model.source: initContainer). */}}
 {{- define "vllm-evict.initContainers" -}}
+{{- if or .Values.plugin.install (eq .Values.model.source "initContainer") }}
+initContainers:
+{{- end }}
+{{- if .Values.plugin.install }}
+  - name: vllm-evict-install
+    image: "{{ .Values.image.repository }}:{{ .Values.image.tag }}"
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    # pip install into the plugin volume (no dependencies: vLLM's image has them), then import the plugin.
+    command: ["sh", "-c"]
+    args:
+      - {{ printf "python3 -m pip install --no-cache-dir --no-deps --disable-pip-version-check --upgrade --target \"$VLLM_EVICT_SITE\" \"$@\"%s && PYTHONPATH=\"$VLLM_EVICT_SITE\" python3 -c 'import vllm_evict.plugin'" (ternary " /opt/vllm-evict/wheel/*.whl" "" (not (empty .Values.plugin.wheelConfigMap))) | quote }}
+      - pip-install
+      {{- range .Values.plugin.pipArgs }}
+      - {{ . | quote }}
+      {{- end }}
+      {{- if not .Values.plugin.wheelConfigMap }}
+      - {{ .Values.plugin.package | quote }}
+      {{- end }}
+    env:
+      - name: VLLM_EVICT_SITE
+        value: {{ .Values.plugin.path | quote }}
+    {{- with $.Values.securityContext }}
+    securityContext:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    volumeMounts:
+      - name: vllm-evict-plugin
+        mountPath: {{ .Values.plugin.path }}
+      {{- if .Values.plugin.wheelConfigMap }}
+      - name: vllm-evict-wheel
+        mountPath: /opt/vllm-evict/wheel
+        readOnly: true
+      {{- end }}
+{{- end }}
 {{- if eq .Values.model.source "initContainer" }}
 {{- with .Values.model.initContainer }}
-initContainers:
   - name: model
     image: {{ .image | quote }}
     imagePullPolicy: {{ $.Values.image.pullPolicy }}
@@ -239,6 +329,12 @@ terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
 {{- if has $flag $managed }}
 {{- fail (printf "vllmConfig.extraArgs must not contain %s: the chart sets it from its values (eviction.*, vllmConfig.*, model.*, containerPort, ray.enabled); set it there" $flag) }}
 {{- end }}
+{{- end }}
+{{- if and .Values.plugin.install (not .Values.plugin.wheelConfigMap) (not .Values.plugin.package) }}
+{{- fail "plugin.install needs the package: set plugin.wheelConfigMap (a ConfigMap holding the wheel) or plugin.package (a wheel URL or a requirement your index serves)" }}
+{{- end }}
+{{- if and .Values.compileCache.enabled (eq .Values.compileCache.source "pvc") (not .Values.compileCache.pvc.existingClaimName) (not (has "ReadWriteMany" .Values.compileCache.pvc.accessModes)) (or .Values.ray.enabled (gt (int .Values.replicaCount) 1)) }}
+{{- fail "compileCache.source pvc: several pods (replicas or Ray workers) mount the cache claim: set compileCache.pvc.accessModes to [ReadWriteMany], use compileCache.pvc.existingClaimName, or use source emptyDir" }}
 {{- end }}
 {{- $tp := int .Values.vllmConfig.tensorParallelSize }}
 {{- $gpus := int (include "vllm-evict.gpus" .Values.resources) }}
