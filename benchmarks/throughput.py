@@ -4,6 +4,7 @@
     python benchmarks/throughput.py tight     # 8 x (3000 + 64) through a 4,096-token pool
     python benchmarks/throughput.py decode    # 16 x (256 + 512), eviction after every page of growth
     python benchmarks/throughput.py mixed     # passkey prompts and short chats, a pool at half the demand
+    python benchmarks/throughput.py configs   # 32 requests with a config each (seeds, budgets, windows) vs identical
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
     python benchmarks/throughput.py all --json results.json --plot modes.png
     python benchmarks/throughput.py --replot results.json --plot modes.png   # redraw without measuring
@@ -36,7 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 for _path in (REPO, REPO / "benchmarks"):  # vllm_evict, and engine_watch next to this script
@@ -56,6 +57,8 @@ class Variant:
     eviction: dict[str, Any] | None
     pool_tokens: int | None = None  # None: the scenario's pool
     env: dict[str, str] = field(default_factory=dict)  # environment of the engine's start-up
+    # Per-request settings (SamplingParams.extra_args) of request i, e.g. its own seed or budget.
+    per_request: Callable[[int], dict[str, Any]] | None = None
 
 
 # Decode windows accumulated query by query instead of waiting in lent KV pages (the default).
@@ -109,6 +112,21 @@ def scenarios() -> dict[str, Scenario]:
                       Variant("snapkv 256, slack 1 page, windows accumulated",
                               {"policy": "snapkv", "budget": 256, "slack": PAGE}, env=ACCUMULATE)],
             targets={"snapkv 256, slack 1 page": 0.97}),
+        # The same 32 requests with one config each (seeds, budgets, windows of their own) and with identical
+        # configs: requests of one method share a group whatever their numbers, so the eviction work per
+        # layer is the same.
+        "configs": Scenario(
+            "configs", requests=32, prompt=512, generate=128, pool_tokens=32 * (512 + 128) + 8 * PAGE, chunk=2048,
+            equal_pool=True,
+            variants=[Variant("vanilla", None),
+                      Variant("snapkv 128, identical", {"policy": "snapkv", "budget": 128}),
+                      Variant("snapkv 128, 32 seeds", {"policy": "snapkv", "budget": 128},
+                              per_request=lambda i: {"kv_eviction_config": json.dumps({"seed": i})}),
+                      Variant("snapkv 97-128, 32 budgets", {"policy": "snapkv", "budget": 128},
+                              per_request=lambda i: {"kv_budget": 97 + i}),
+                      Variant("snapkv, 32 seeds, 32 budgets, 4 windows", {"policy": "snapkv", "budget": 128},
+                              per_request=lambda i: {"kv_budget": 97 + i, "kv_eviction_config": json.dumps(
+                                  {"seed": i, "window": (8, 16, 24, 32)[i % 4]})})]),
         # 16 passkey prompts (~540 tokens, the quality smoke prompts) and 16 short ones generating 128
         # tokens: a demand of about 12k tokens through a pool of half that.
         "mixed": Scenario(
@@ -220,7 +238,10 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
     try:
         core = llm.llm_engine.engine_core.engine_core
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        params = SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True)
+        params: Any = SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True)
+        if variant.per_request is not None:
+            params = [SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True,
+                                     extra_args=variant.per_request(i)) for i in range(scenario.requests)]
         llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)  # warm-up
         preempted = count_preemptions(core.scheduler)
@@ -608,7 +629,7 @@ def format_host(rows: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "host", "all"])
+    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "configs", "host", "all"])
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")
