@@ -52,13 +52,17 @@ class WindowPageLender:
         self.lent: dict[str, list[Any]] = {}  # request id -> its lent KVCacheBlocks
         self.lent_now: dict[str, list[int]] = {}  # this step's new loans: request id -> page ids
         self.returned: list[str] = []  # this step's returns
+        # This step's decoding requests of window methods: (request id, policy, physical and logical length
+        # after the step, budget, slack), decided together in ``finish_step``.
+        self.decoding: list[tuple[str, Policy, int, int, int, int]] = []
+        self.policy_of: dict[str, Policy] = {}  # the policy of each request seen decoding (until it ends)
         self.reclaimed = False  # loans were taken back in this step: lend nothing more in it
         self.loans = 0  # loans made so far (tests, logs)
         self.reclaims = 0  # times an allocation took every loan back
         self._policies: dict[str, Policy] = {}
 
     def begin_step(self) -> None:
-        self.lent_now, self.returned, self.reclaimed = {}, [], False
+        self.lent_now, self.returned, self.reclaimed, self.decoding = {}, [], False, []
 
     def pages_lent(self) -> int:
         return sum(len(blocks) for blocks in self.lent.values())
@@ -73,31 +77,38 @@ class WindowPageLender:
             policy = self._policies[key] = config.build_policy(window_cap=self.window_cap)
         return policy
 
-    def window_width(self, config: "EvictionConfig", logical_end: int) -> int:
-        """Queries in the window of a decode eviction at logical length ``logical_end`` (0: no window
-        lent pages could hold: elastic requests keep queries in their ring, some methods read none)."""
-        if config.elastic:
-            return 0
-        policy = self._policy(config)
-        if not policy.accumulates_window or not policy.window_in_decode:
-            return 0
-        return int(policy.window_size(np.array([logical_end]), np.array([config.budget]))[0])
-
     def scheduled(self, request_id: str, config: "EvictionConfig", *, decode: bool, phys_after: int,
                   logical_after: int, slack: int) -> None:
-        """A request scheduled in this step (after vLLM allocated its slots): lend or take back pages."""
-        pages = 0
-        if self.enabled and decode:
-            end = config.budget + slack  # the next decode eviction (eviction_target)
-            width = self.window_width(config, logical_after + max(end - phys_after, 0))
-            # A one-query window is read in the step that computes its query: nothing to keep.
-            if width > 1 and phys_after > end - width:
-                pages = pages_for_window(width, self.group, self.scheduler.page_size)
-        held = self.lent.get(request_id)
-        if pages and held is None:
-            self._lend(request_id, pages)
-        elif not pages and held is not None:
+        """A fixed-mode request scheduled in this step (after vLLM allocated its slots): noted, and decided
+        with the others in ``finish_step``."""
+        policy = self.policy_of.get(request_id) if decode and self.enabled else None
+        if policy is None and decode and self.enabled:
+            policy = self.policy_of[request_id] = self._policy(config)
+        if policy is not None and policy.accumulates_window and policy.window_in_decode:
+            self.decoding.append((request_id, policy, phys_after, logical_after, config.budget, slack))
+        elif request_id in self.lent:
             self._give_back(request_id)
+
+    def _decide(self) -> None:
+        """Lend or take back pages for this step's decoding requests: a request needs them while its query
+        of the step belongs to the window of its next decode eviction (``eviction_target``: at budget +
+        slack), of the policy's ``window_size`` there; the widths are computed per policy, batched."""
+        by_policy: dict[int, list[int]] = {}
+        for i, entry in enumerate(self.decoding):
+            by_policy.setdefault(id(entry[1]), []).append(i)
+        for members in by_policy.values():
+            rows = [self.decoding[i] for i in members]
+            phys, logical, budget, slack = (np.array([r[k] for r in rows], dtype=np.int64) for k in range(2, 6))
+            end = budget + slack  # the next decode eviction
+            width = rows[0][1].window_size(logical + np.maximum(end - phys, 0), budget)
+            # A one-query window is read in the step that computes its query: nothing to keep.
+            needs = (width > 1) & (phys > end - width)
+            for (request_id, *_), need, w in zip(rows, needs, width):
+                held = request_id in self.lent
+                if need and not held:
+                    self._lend(request_id, pages_for_window(int(w), self.group, self.scheduler.page_size))
+                elif not need and held:
+                    self._give_back(request_id)
 
     def _can_lend(self, pages: int) -> bool:
         scheduler = self.scheduler
@@ -138,7 +149,10 @@ class WindowPageLender:
         if blocks is not None:
             self.scheduler.kv_cache_manager.block_pool.free_blocks(blocks)
         self.lent_now.pop(request_id, None)
+        self.policy_of.pop(request_id, None)
 
     def finish_step(self, plan: "EvictionPlan") -> None:
+        if self.decoding:
+            self._decide()
         plan.window_pages = dict(self.lent_now)
         plan.window_returned = list(self.returned)
