@@ -366,14 +366,15 @@ def write_window_queries(cache: LayerCache, writes: WindowWrites, query: Tensor,
 
 
 def page_window(cache: LayerCache, read: WindowRead) -> tuple[Tensor, Tensor]:
-    """The window queries waiting in lent pages, [R, H_q, M, d], and their positions [R, M]."""
-    k = gather_slots(cache.k, read.pages, read.offsets)  # [R, H_kv, M * G, d]
-    v = gather_slots(cache.v, read.pages, read.offsets)
-    slots = torch.where(read.in_v[:, None, :, None], v, k)
-    rows, heads, _, head_size = slots.shape
+    """The window queries waiting in lent pages, [R, H_q, M, d] (laid out as ``step_window``'s: a view of
+    [R, M, H_q, d], so the kernels see one stride pattern), and their positions [R, M]."""
+    k = cache.k[read.pages, :, read.offsets]  # [R, M * G, H_kv, d]
+    v = cache.v[read.pages, :, read.offsets]
+    slots = torch.where(read.in_v[:, :, None, None], v, k)
+    rows, _, heads, head_size = slots.shape
     entries = read.positions.shape[1]
-    grouped = slots.view(rows, heads, entries, -1, head_size).transpose(2, 3)  # [R, H_kv, G, M, d]
-    return grouped.reshape(rows, -1, entries, head_size), read.positions
+    grouped = slots.view(rows, entries, -1, heads, head_size).transpose(2, 3)  # [R, M, H_kv, G, d]
+    return grouped.reshape(rows, entries, -1, head_size).permute(0, 2, 1, 3), read.positions
 
 
 # ---- evict phase ----------------------------------------------------------------------------------
@@ -431,7 +432,9 @@ def window_queries(cache: LayerCache, group: Group, step_query: Tensor) -> tuple
         parts.append(page_window(cache, group.window_read))
     if len(parts) < 2:
         return parts[0] if parts else None
-    return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=1)
+    # Joined along the entries of [R, M, H_q, d], then viewed as [R, H_q, M, d]: the layout of each part.
+    joined = torch.cat([p[0].permute(0, 2, 1, 3) for p in parts], dim=1)
+    return joined.permute(0, 2, 1, 3), torch.cat([p[1] for p in parts], dim=1)
 
 
 def fuses_window(cache: LayerCache, group: Group) -> bool:

@@ -22,8 +22,8 @@ from vllm_evict.engine.window_pages import NO_PAGE
 from vllm_evict.engine.window_pages import capacity as window_capacity
 from vllm_evict.engine.window_pages import write_table
 from vllm_evict.evict_step import (
-    Group, Record, StepPlan, WindowStep, WindowWrites, accumulate_window, build_group, evict_layer, group_inputs,
-    page_window, record_step, ring_entries, state_initializers,
+    Group, Record, StepPlan, WindowStep, WindowWrites, accumulate_window, add_window_mass, build_group, evict_layer,
+    fuses_window, group_inputs, page_window, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import window_end
@@ -421,8 +421,11 @@ def return_window_pages(runner: Any, request_ids: list[str]) -> None:
         no_queries = torch.zeros(0, geometry.query_heads, geometry.head_size, dtype=geometry.dtype,
                                  device=geometry.device)
         for cache in runner.evict_layers:
-            inp = group_inputs(cache, flushed, plan, no_queries)
-            accumulate_window(cache, flushed, inp, *page_window(cache, flushed.window_read))
+            window = page_window(cache, flushed.window_read)
+            if fuses_window(cache, flushed):
+                add_window_mass(cache, flushed, *window)
+            else:
+                accumulate_window(cache, flushed, group_inputs(cache, flushed, plan, no_queries), *window)
     for request_id in request_ids:
         slot = rows.slot_of.get(request_id)
         if slot is not None:
