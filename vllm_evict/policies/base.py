@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -269,8 +270,7 @@ class Policy(ABC):
         the numeric ones (windows, sinks, kernels, ratios, ...; budgets and seeds are per row anyway).
         The others (choices such as pooling or CAOTE's mode) change what the call computes, so the rows
         of a call share them, and so do their numeric options set to None (an automatic rule)."""
-        cls = type(self)
-        return tuple(name for name, default in cls.defaults.items() if _numeric_option(cls, name, default))
+        return _numeric_options(type(self))
 
     def option(self, inp: EvictionInputs, name: str) -> Any:
         """Option ``name`` for the rows of ``inp``: the policy's own value, or per row ([R] tensor, int64 or
@@ -404,6 +404,12 @@ class Policy(ABC):
         if not inp.evicting:
             return StepResult(state=state, keep=None)
         return StepResult(state=state, keep=self.select(inp.with_state(state)))
+
+
+@functools.lru_cache(maxsize=None)
+def _numeric_options(cls: type) -> tuple[str, ...]:
+    """The numeric options of a policy class (asked on every step: computed once per class)."""
+    return tuple(name for name, default in cls.defaults.items() if _numeric_option(cls, name, default))
 
 
 def _numeric_option(cls: type, name: str, default: Any) -> bool:
