@@ -41,6 +41,17 @@ from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, Evict
 from vllm_evict.staging import to_device as pinned_to_device
 
 POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
+_ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def device_zero(buffer: Tensor) -> Tensor:
+    """A 0-dim zero of ``buffer``'s dtype on its device, made once. Written through tensor indices, a
+    Python 0.0 would become a CPU tensor that ``index_put_`` copies to the device (a blocking copy)."""
+    key = (buffer.device, buffer.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
+    return zero
 
 
 @dataclass
@@ -250,7 +261,7 @@ def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) ->
     rec = plan.record
     positions[:, rec.pages, :, rec.offsets] = rec.positions.view(-1, 1, 1)  # indexed: [T, L, H]
     for name in plan.zero_states:
-        states[name][:, rec.pages, :, rec.offsets] = 0.0
+        states[name][:, rec.pages, :, rec.offsets] = device_zero(states[name])
     if plan.ring_positions is not None and rec.ring_index is not None:
         written = rec.positions if rec.ring_tokens is None else rec.positions.index_select(0, rec.ring_tokens)
         plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, written.long())
@@ -376,7 +387,7 @@ def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[T
             ops.compact_tokens(buffers, group.block_table, result.keep, group.budget)
         if group.window_reset:  # the window was read: the survivors start the next one from zero
             for name in windows:
-                cache.state[name][pages, :, offsets] = 0.0
+                cache.state[name][pages, :, offsets] = device_zero(cache.state[name])
         kept.append(result.keep)
     return kept
 

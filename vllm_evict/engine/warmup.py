@@ -76,9 +76,11 @@ def _qkv(tokens: int, g: WarmupGeometry) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None,
-            configs: list[EvictionConfig] | None = None) -> list[str]:
+            configs: list[EvictionConfig] | None = None,
+            to_device: Callable[..., list[Tensor]] | None = None) -> list[str]:
     """Run every method's eviction step once per (phase, evicting) over two null-page rows of ``g``;
-    returns the specs skipped (CriticalKV when ``o_proj`` gives no weight)."""
+    returns the specs skipped (CriticalKV when ``o_proj`` gives no weight). ``to_device``: the host-to-device
+    copy of the steps' index arrays (``build_group``'s; None: pinned blocks of PyTorch's host allocator)."""
     device, page = g.k.device, g.k.shape[2]
     h_kv, d = g.k.shape[1], g.k.shape[3]
     k, v = g.k[:1], g.v[:1]  # the null page only (same strides as the whole cache), next to 1-page scratch buffers
@@ -122,7 +124,8 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
                                 scheduled=scheduled, seed=np.zeros(2, dtype=np.int64),
                                 keep=lengths if evicting else None,  # keep everything: nothing moves
                                 ring_rows=np.arange(2) if mode == "ring" else None,
-                                token_starts=np.array([0, scheduled[0]], dtype=np.int64), window=accumulated)
+                                token_starts=np.array([0, scheduled[0]], dtype=np.int64), window=accumulated,
+                                to_device=to_device)
             plan = StepPlan(record=record, groups=[group], ring_positions=ring_positions, zero_states=zero_states)
             query, key, value = _qkv(tokens, g)
             record_layer(cache, plan, initializers, query, key, value)
