@@ -316,7 +316,7 @@ class Scenario:
     generate: int
 
 
-def timed_steps(core: Any) -> list[dict[str, float]]:
+def timed_steps(core: Any) -> tuple[list[dict[str, float]], Callable[[], None]]:
     """Every engine step from now on: wall seconds, tokens, running requests, eviction seconds (the
     worker's step timer, read where the worker reports it)."""
     steps: list[dict[str, float]] = []
@@ -325,19 +325,19 @@ def timed_steps(core: Any) -> list[dict[str, float]]:
         steps.append({"s": seconds, "tokens": output.total_num_scheduled_tokens,
                       "running": len(core.scheduler.running), "eviction_s": eviction})
 
-    watch_steps(core, record)
-    return steps
+    return steps, watch_steps(core, record)
 
 
 def measure(llm: Any, scenario: Scenario, vocab: int, name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
     core = core_of(llm)
     prompts = random_prompts(scenario.requests, lambda i: scenario.prompt, vocab, seed=7)
     llm.generate(random_prompts(1, lambda i: 64, vocab, seed=8), greedy(4, **(extra or {})), use_tqdm=False)
-    steps = timed_steps(core)
+    steps, flush = timed_steps(core)
     preempted = count_preemptions(core.scheduler)
     start = time.perf_counter()
     outputs = llm.generate(prompts, greedy(scenario.generate, **(extra or {})), use_tqdm=False)
     seconds = time.perf_counter() - start
+    flush()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     total = generated + scenario.requests * scenario.prompt
     chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens

@@ -125,7 +125,7 @@ class Group:
     ring_rows: Tensor | None  # int64: each row's ring slot (elastic rows: their window is kept as queries)
     step_tokens: Tensor | None  # int64 [R, M]: the row's tokens of this step (read by update_state)
     step_token_positions: Tensor | None  # int64 [R, M]: their positions, -1 on padding
-    slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1 (see ``slot_addresses``)
+    slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1, the null page past its length
     slot_offsets: Tensor  # int64 [R, N]
     budget: Tensor | None = None  # int64: tokens kept per head (None: nothing evicted)
     budget_max: int = 0
@@ -241,7 +241,7 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     step_tokens, step_positions = copied["step"].unbind(0) if "step" in copied else (None, None)
     window_tokens, window_positions = copied["window"].unbind(0) if "window" in copied else (None, None)
     window_gain = copied["gain"].to(torch.int32).view(torch.float32) if "gain" in copied else None
-    pages, offsets = slot_addresses(block_table, width, page_size)
+    pages, offsets = slot_addresses(block_table, width, page_size, lengths_t)  # padding: the null page
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,
                  ring_rows=ring_t if ring_rows is not None else None, step_tokens=step_tokens,

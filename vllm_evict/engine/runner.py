@@ -264,7 +264,10 @@ class EvictRunnerMixin:
     # ---- step bookkeeping (shared; each runner's mixin calls these from its own hooks) ------------
     def _begin_step(self, scheduler_output: Any) -> EvictionPlan | None:
         """Before vLLM updates its request states: last step's compactions reach the block table, and
-        elastic compressions run before anything is written into the pages they give back."""
+        elastic compressions run before anything is written into the pages they give back. The step's
+        host-to-device copies take the next staging turn (one per engine step: vllm_evict/staging.py)."""
+        if self.evict_builder is not None:
+            self.evict_builder.staging.begin_step()
         self._apply_compactions(scheduler_output)
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         if plan is not None and plan.compress:
