@@ -36,9 +36,9 @@ case "$MODE" in
     .venv/bin/python benchmarks/gpu.py prepare --out .gpu/models
     PYTEST_VERSION=$(.venv/bin/python -c 'import pytest; print(pytest.__version__)')
     HYPOTHESIS_VERSION=$(.venv/bin/python -c 'import hypothesis; print(hypothesis.__version__)')
-    # pytest for the test phases; hypothesis (and its sortedcontainers) for tests/policies' property tests
+    # pytest for the test phases; hypothesis (with sortedcontainers, attrs) for tests/policies' property tests
     .venv/bin/python -m pip download -q --no-deps -d .gpu/extra "pytest==$PYTEST_VERSION" pluggy iniconfig \
-      "hypothesis==$HYPOTHESIS_VERSION" sortedcontainers
+      "hypothesis==$HYPOTHESIS_VERSION" sortedcontainers attrs
     du -sh .gpu/c0* .gpu/models .gpu/extra
     sed -n '/^# On the GPU machine/,/^#   4 /p' "$0"
     ;;
