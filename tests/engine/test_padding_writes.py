@@ -50,8 +50,8 @@ def test_padding_slots_never_write_into_another_requests_pages(tiny_llama, engin
     try:
         # Requests of different lengths finish at different steps and new ones take their rows (V2: their
         # slots); every fourth one keeps its whole cache, so the rows it leaves are long.
-        lengths = [150 + 37 * (i % 5) for i in range(12)]
-        tokens = [8 + 5 * (i % 4) for i in range(12)]
+        lengths = [150 + 37 * (i % 5) for i in range(8)]
+        tokens = [8 + 5 * (i % 4) for i in range(8)]
         params = [greedy(t, **({"kv_eviction": "none"} if i % 4 == 0 else {})) for i, t in enumerate(tokens)]
         outputs = engine.llm.generate([token_prompt(n, offset=i + 1) for i, n in enumerate(lengths)], params,
                                       use_tqdm=False)
