@@ -118,7 +118,6 @@ class StepBuilder:
         num_reqs = view.num_reqs
         table_rows = view.rows
         num_tokens = int(num_scheduled[:num_reqs].sum())
-        self.staging.begin_step()
         self.make_lengths_physical(view, num_reqs, num_tokens)
 
         computed = view.computed
@@ -253,7 +252,6 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     rows, layers = runner.evict_rows, runner.evict_layers
     view: RunnerView = runner.evict_view
     staging = runner.evict_builder.staging
-    staging.begin_step()
     page = runner.evict_buffers.geometry.page_size
     victims = []
     for request_id, keep in plan.compress.items():
