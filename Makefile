@@ -73,8 +73,8 @@ models: install
 # VLLM_EVICT_TEST_RUNNER; docs/engine.md#the-two-model-runners). Not again on V2: what no model runner
 # takes part in (the KV layout probe against the attention backend, the start-up refusals, checked on
 # the built config) and the passkey quality runs on real models (quality follows from the kept tokens,
-# which V2's pass checks against the reference runner).
-V2_SKIP  := test_kv_layout_backend test_refusals test_quality_passkey test_quality_passkey_2k
+# which V2's pass checks against the reference runner), and the scheduler-level async test (no runner).
+V2_SKIP  := test_kv_layout_backend test_refusals test_quality_passkey test_quality_passkey_2k test_async_scheduling
 V2_TESTS := tests/engine $(V2_SKIP:%=--ignore=tests/engine/%.py) tests/server/test_metrics.py \
             tests/server/test_request_stats.py
 

@@ -1,9 +1,12 @@
-"""The device-side phases of benchmarks/gpu.py: the engine's checks and the benchmark (GPU only).
+"""The device-side phases of benchmarks/gpu.py: the engine's checks and the benchmark (GPU only), one engine
+per process.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the scheduler and the model
 runner can be watched; every engine uses bf16, FlashAttention 3, piecewise CUDA graphs (vLLM compiles
 the model; attention runs between the captured pieces, where eviction's hooks are), 16-token pages,
-dummy weights, and vLLM's V1 model runner (the one eviction hooks).
+dummy weights, async scheduling as vLLM sets it on a GPU (on), and the model runner the caller chose
+(``VLLM_USE_V2_MODEL_RUNNER``, set by gpu.py before vLLM is imported). Every check and every figure goes
+to ``Records`` (gpu.py) as soon as it is known.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import random
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +43,7 @@ def engine_kwargs(model: str, *, kv_bytes: int, max_model_len: int, max_num_seqs
     kwargs: dict[str, Any] = dict(
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len, block_size=PAGE,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=CHUNK, enable_prefix_caching=False, seed=0,
-        kv_cache_memory_bytes=kv_bytes, async_scheduling=False, disable_log_stats=True,
+        kv_cache_memory_bytes=kv_bytes, disable_log_stats=True,  # async scheduling: vLLM's choice (on)
         attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3},
         compilation_config={"cudagraph_mode": "PIECEWISE"})
     if eviction is not None:
@@ -104,6 +107,7 @@ class PathMonitor:
             module.impl.forward = self._checked(runner._make_hook(index, self._unchecked(original)))
         runner.evict_builder.build = self._checked(runner.evict_builder.build)
         runner_module.compress_before_forward = self._checked(runner_module.compress_before_forward)
+        runner_module.return_window_pages = self._checked(runner_module.return_window_pages)
         rows = runner.evict_rows  # per-row bookkeeping as requests join and leave the batch
         for name in ("add", "park", "forget", "clear", "move", "swap"):
             setattr(rows, name, self._checked(getattr(rows, name)))
@@ -223,17 +227,55 @@ class PageTracker:
         scheduler.schedule = schedule
 
 
+class JitMonitorLog:
+    """What vLLM's JIT monitor logs (``vllm.utils.jit_monitor``: "... JIT compilation during inference: <kernel>")."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        handler = logging.Handler(level=logging.WARNING)
+        handler.emit = lambda record: self.messages.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("vllm.utils.jit_monitor").addHandler(handler)
+
+    def ours(self) -> list[str]:
+        return [m for m in self.messages if "during inference" in m and any(k in m for k in OUR_KERNELS)]
+
+
 # ---- engine checks ---------------------------------------------------------------------------------
-@dataclass
 class Checks:
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    def __init__(self, records: Any) -> None:
+        self.records, self.all_ok = records, True
 
     def add(self, name: str, ok: bool, detail: str = "") -> None:
-        self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
-        print(f"[engine] {'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+        self.all_ok &= bool(ok)
+        self.records.add("check", name=name, ok=bool(ok), detail=detail)
+
+
+ENGINE = dict(kv_bytes=8 * GIB, max_model_len=4096, max_num_seqs=64)
+EXACT_PROMPTS, EXACT_TOKENS = 24, 32
+
+
+def exact_prompts(model: str) -> list[dict[str, list[int]]]:
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    return random_prompts(EXACT_PROMPTS, lambda i: 200 + 120 * i, vocab, seed=1)
+
+
+def token_record(outputs: list[Any]) -> list[dict[str, Any]]:
+    """Each request's greedy tokens and their logprobs."""
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+            for o in outputs]
+
+
+def compare(name: str, got: list[dict[str, Any]], want: list[dict[str, Any]], checks: Checks) -> None:
+    same = [a["tokens"] == b["tokens"] for a, b in zip(got, want)]
+    diffs = [abs(x - y) for a, b in zip(got, want) if a["tokens"] == b["tokens"]
+             for x, y in zip(a["logprobs"], b["logprobs"])]
+    checks.add(name, len(got) == len(want) and all(same),
+               f"{sum(same)}/{len(want)} requests equal; max |logprob diff| {max(diffs, default=0):.2e}")
 
 
 def fp8_refusal(model: str, checks: Checks) -> None:
+    """Refused while the config is built: no engine, no GPU memory."""
     try:
         make_llm(**engine_kwargs(model, kv_bytes=GIB, max_model_len=4096, max_num_seqs=8,
                                  eviction={"policy": "criticalkv+snapkv", "budget": 256}), quantization="fp8")
@@ -243,48 +285,58 @@ def fp8_refusal(model: str, checks: Checks) -> None:
     checks.add("criticalkv refused on an fp8 checkpoint", False, "the engine started")
 
 
-def engine_checks(model: str, out: Path) -> int:
+def engine_vanilla(model: str, records: Any, tokens_path: Path) -> int:
+    """vLLM without the plugin: the greedy tokens the eviction engines must reproduce (``tokens_path``)."""
+    checks, started = Checks(records), time.perf_counter()
+    fp8_refusal(model, checks)
+    llm = make_llm(**engine_kwargs(model, **ENGINE))
+    got = token_record(llm.generate(exact_prompts(model), greedy(EXACT_TOKENS, logprobs=0), use_tqdm=False))
+    tokens_path.write_text(json.dumps(got))
+    checks.add("vanilla engine serves the exactness batch", all(len(r["tokens"]) == EXACT_TOKENS for r in got),
+               f"{len(got)} requests, async scheduling {llm.llm_engine.vllm_config.scheduler_config.async_scheduling}")
+    close(llm)
+    records.finish(seconds=round(time.perf_counter() - started, 1))
+    return 0 if checks.all_ok else 1
+
+
+def engine_checks(model: str, records: Any, runner: str, reference: Path | None) -> int:
+    from vllm import SamplingParams
+
+    from vllm_evict.engine.runner_v2 import EvictV2RunnerMixin
+    from vllm_evict.engine.scheduler import EvictAsyncScheduler
     from vllm_evict.engine.warmup import warmup_configs
 
-    checks = Checks()
-    started = time.perf_counter()
-    fp8_refusal(model, checks)
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    prompts = random_prompts(24, lambda i: 200 + 120 * i, vocab, seed=1)
-    common = dict(kv_bytes=8 * GIB, max_model_len=4096, max_num_seqs=64)
-
-    llm = make_llm(**engine_kwargs(model, **common))
-    vanilla = llm.generate(prompts, greedy(32, logprobs=0), use_tqdm=False)
-    close(llm)
-
-    watch = CompileWatch()
+    checks, started = Checks(records), time.perf_counter()
+    watch, jit = CompileWatch(), JitMonitorLog()
     # Every method is reserved for requests (the batch below asks for each of them).
-    server = {"policy": "snapkv", "budget": 65536,
-              "request_policies": sorted({c.policy for c in warmup_configs()})}
-    llm = make_llm(**engine_kwargs(model, **common, eviction=server))
+    server = {"policy": "snapkv", "budget": 65536, "request_policies": sorted({c.policy for c in warmup_configs()})}
+    llm = make_llm(**engine_kwargs(model, **ENGINE, eviction=server))
     watch.mark()
-    runner = runner_of(llm)
-    monitor = PathMonitor(runner)
-    got = llm.generate(prompts, greedy(32, logprobs=0), use_tqdm=False)
-    same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(vanilla, got)]
-    diffs = [abs(sa[ta].logprob - sb[tb].logprob) for a, b in zip(vanilla, got)
-             for sa, sb, ta, tb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids,
-                                       b.outputs[0].token_ids) if ta == tb]
-    checks.add("budget above every length gives vanilla's tokens", all(same),
-               f"{sum(same)}/{len(same)} requests equal; max |logprob diff| {max(diffs, default=0):.2e}")
+    model_runner = runner_of(llm)
+    kind = "v2" if isinstance(model_runner, EvictV2RunnerMixin) else "v1"
+    checks.add(f"the engine runs the {runner.upper()} model runner", kind == runner, type(model_runner).__name__)
+    scheduler = core_of(llm).scheduler
+    checks.add("async scheduling on, with the eviction scheduler's async variant",
+               llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
+               and isinstance(scheduler, EvictAsyncScheduler), type(scheduler).__name__)
+    monitor = PathMonitor(model_runner)
+    prompts = exact_prompts(model)
+    off = token_record(llm.generate(prompts, greedy(EXACT_TOKENS, logprobs=0, kv_eviction="none"), use_tqdm=False))
+    on = token_record(llm.generate(prompts, greedy(EXACT_TOKENS, logprobs=0), use_tqdm=False))
+    compare("budget above every length gives the tokens of eviction off", on, off, checks)
+    if reference is not None and reference.exists():
+        compare("budget above every length gives vanilla vLLM's tokens", on, json.loads(reference.read_text()), checks)
 
     specs = warmup_configs()
     extras = {f"evict-{i}": {"kv_eviction": c.policy, "kv_budget": 256,
-                       "kv_eviction_config": json.dumps(dict(c.options))} for i, c in enumerate(specs)}
+                             "kv_eviction_config": json.dumps(dict(c.options))} for i, c in enumerate(specs)}
     tracker = PageTracker(core_of(llm), server, extras, max_new=64)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     evicting = random_prompts(len(specs), lambda i: 900 + 53 * i, vocab, seed=2)
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, extra_args=extras[f"evict-{i}"])
-              for i in range(len(specs))]
     engine = llm.llm_engine
-    for i, (prompt, p) in enumerate(zip(evicting, params)):
-        engine.add_request(f"evict-{i}", prompt, p)
+    for i, prompt in enumerate(evicting):
+        engine.add_request(f"evict-{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True,
+                                                               extra_args=extras[f"evict-{i}"]))
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
@@ -292,19 +344,20 @@ def engine_checks(model: str, out: Path) -> int:
     checks.add("every method evicts in bf16 + FA3 + piecewise graphs", complete == len(specs) and tracker.evictions > 0,
                f"{complete}/{len(specs)} requests complete, {tracker.evictions} (request, step) evictions")
     checks.add("pages within each request's bound", not tracker.violations,
-               f"largest pages/bound {tracker.worst:.2f}"
-               + (f"; {tracker.violations[:3]}" if tracker.violations else ""))
-    checks.add("no host-device sync in the hooks and the step builder", not monitor.syncs and monitor.calls > 0,
+               f"largest pages/bound {tracker.worst:.2f}" + (f"; {tracker.violations[:3]}" if tracker.violations else ""))
+    checks.add("no host-device sync in the hooks, the step builder and the row bookkeeping",
+               not monitor.syncs and monitor.calls > 0,
                f"{monitor.calls} audited calls; {len(monitor.syncs)} syncs {sorted(set(monitor.syncs))[:5]}")
     checks.add("no host-to-device copy from pageable memory there", not monitor.pageable,
                f"{len(monitor.pageable)} {sorted(set(monitor.pageable))[:5]}")
     checks.add("no eviction kernel compiled after start-up", watch.available and not watch.after_start,
                f"{len(set(watch.during_start))} kernels compiled at start-up; after: {sorted(set(watch.after_start))}"
                if watch.available else "this Triton has no jit_post_compile_hook")
+    checks.add("vLLM's JIT monitor logs no eviction kernel compiled during inference", not jit.ours(),
+               f"{len(jit.messages)} JIT monitor warnings, ours: {jit.ours()[:3]}")
     close(llm)
-    result = {"checks": checks.checks, "seconds": round(time.perf_counter() - started, 1)}
-    out.write_text(json.dumps(result, indent=1))
-    return 0 if all(c["ok"] for c in checks.checks) else 1
+    records.finish(seconds=round(time.perf_counter() - started, 1))
+    return 0 if checks.all_ok else 1
 
 
 # ---- benchmark -------------------------------------------------------------------------------------
@@ -316,81 +369,87 @@ class Scenario:
     generate: int
 
 
-def timed_steps(core: Any) -> list[dict[str, float]]:
-    """Every engine step from now on: wall seconds, tokens, running requests, eviction seconds (the
-    worker's step timer, read where the worker reports it)."""
+def timed_steps(core: Any) -> tuple[list[dict[str, float]], Callable[[], None]]:
+    """Every engine step from now on: wall seconds, tokens, running requests, whether it only decoded, and
+    eviction seconds (the worker's step timer, read where the worker reports it); and the ``flush`` to call
+    after the run (``engine_watch.watch_steps``)."""
     steps: list[dict[str, float]] = []
 
     def record(output: Any, seconds: float, eviction: float) -> None:
         steps.append({"s": seconds, "tokens": output.total_num_scheduled_tokens,
+                      "decode": output.total_num_scheduled_tokens == len(output.num_scheduled_tokens),
                       "running": len(core.scheduler.running), "eviction_s": eviction})
 
-    watch_steps(core, record)
-    return steps
+    return steps, watch_steps(core, record)
+
+
+def _share(steps: list[dict[str, float]]) -> float | None:
+    return sum(s["eviction_s"] for s in steps) / sum(s["s"] for s in steps) if steps else None
 
 
 def measure(llm: Any, scenario: Scenario, vocab: int, name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
     core = core_of(llm)
     prompts = random_prompts(scenario.requests, lambda i: scenario.prompt, vocab, seed=7)
     llm.generate(random_prompts(1, lambda i: 64, vocab, seed=8), greedy(4, **(extra or {})), use_tqdm=False)
-    steps = timed_steps(core)
+    steps, flush = timed_steps(core)
     preempted = count_preemptions(core.scheduler)
     start = time.perf_counter()
     outputs = llm.generate(prompts, greedy(scenario.generate, **(extra or {})), use_tqdm=False)
     seconds = time.perf_counter() - start
+    flush()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     total = generated + scenario.requests * scenario.prompt
     chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    prefill = [s for s in steps if s["tokens"] >= chunk // 2]  # steps of (mostly) prompt chunks
-    evict_s = sum(s["eviction_s"] for s in steps)
-    result = {"name": name, "seconds": round(seconds, 2), "tokens_per_s": total / seconds,
-              "generated_per_s": generated / seconds, "max_running": max((s["running"] for s in steps), default=0),
-              "step_ms_mean": 1000 * statistics.mean(s["s"] for s in steps) if steps else 0.0,
-              "eviction_share": evict_s / max(sum(s["s"] for s in steps), 1e-9),
-              "prefill_chunk_eviction_share": (sum(s["eviction_s"] for s in prefill) / sum(s["s"] for s in prefill)
-                                               if prefill else None),
-              "preemptions": preempted(), "steps": len(steps)}
-    print(f"[bench] {scenario.name} {name}: {json.dumps({k: v for k, v in result.items() if k != 'name'})}", flush=True)
-    return result
+    return {"variant": name, "seconds": round(seconds, 2), "tokens_per_s": total / seconds,
+            "generated_per_s": generated / seconds, "max_running": max((s["running"] for s in steps), default=0),
+            "step_ms_mean": 1000 * statistics.mean(s["s"] for s in steps) if steps else 0.0,
+            "eviction_share": _share(steps),
+            # eviction's share of the steps of (mostly) prompt chunks, and of the steps that only decode
+            "prefill_chunk_eviction_share": _share([s for s in steps if s["tokens"] >= chunk // 2]),
+            "decode_hook_share": _share([s for s in steps if s["decode"]]),
+            "preemptions": preempted(), "steps": len(steps),
+            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
 
 
-def bench(model: str, out: Path, *, kv_gib: float, requests_8k: int, quick: bool = False, full: bool = False) -> int:
+def scenarios(requests_8k: int, quick: bool) -> dict[str, Scenario]:
+    return {"8k": Scenario(f"equal KV memory ({requests_8k} x 8000 + 128)", min(requests_8k, 8) if quick else requests_8k,
+                           8000, 32 if quick else 128),
+            "spare": Scenario("memory to spare (64 x 2048 + 256)", 16 if quick else 64, 2048, 64 if quick else 256)}
+
+
+MAX_MODEL_LEN = 8192  # the longest vLLM derives for the 8B config (its llama3 RoPE scaling's original length)
+
+
+def variants(scenario: str, side: str, full: bool) -> list[tuple[str, dict[str, Any] | None]]:
+    """(name, the requests' extra_args) of one side of a scenario, measured in this order."""
+    if side == "vanilla":
+        return [("vanilla", None)]
+    if scenario == "8k":
+        return [("keydiff 1024 (chunked)", None)] + (
+            [("snapkv 1024 (chunked)", {"kv_eviction": "snapkv", "kv_eviction_config": '{"schedule": "chunked"}'})]
+            if full else [])
+    # Never evicting: a budget of max_model_len (a request may not ask for more), above every request here.
+    return [("eviction on, never evicting", {"kv_budget": MAX_MODEL_LEN}), ("keydiff 1024", None)] + (
+        [("snapkv 1024", {"kv_eviction": "snapkv"})] if full else [])
+
+
+def bench(model: str, records: Any, *, runner: str, scenario: str, side: str, kv_gib: float, requests_8k: int,
+          quick: bool = False, full: bool = False) -> int:
+    """One engine (vanilla or eviction) measuring one scenario's variants, each recorded as it is measured."""
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    spare = Scenario("memory to spare (64 x 2048 + 256)", 16 if quick else 64, 2048, 64 if quick else 256)
-    tight = Scenario(f"equal KV memory ({requests_8k} x 8000 + 128)", min(requests_8k, 8) if quick else requests_8k,
-                     8000, 32 if quick else 128)
-    # 8192: the longest vLLM derives for this config (its llama3 RoPE scaling's original length)
-    common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=8192, max_num_seqs=128)
+    case = scenarios(requests_8k, quick)[scenario]
+    common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=MAX_MODEL_LEN, max_num_seqs=128)
     notes = [f"KV memory of each engine: {kv_gib} GiB (eviction's buffers come out of it); chunk {CHUNK} tokens; "
-             f"pages of {PAGE}; Llama-3.1-8B geometry, dummy weights, bf16, FA3, piecewise CUDA graphs."]
-    results = {"spare": [], "tight": []}
+             f"pages of {PAGE}; Llama-3.1-8B geometry, dummy weights, bf16, FA3, piecewise CUDA graphs, async "
+             "scheduling; one engine per process."]
     started = time.perf_counter()
-
-    llm = make_llm(**engine_kwargs(model, **common))
-    results["spare"].append(measure(llm, spare, vocab, "vanilla", None))
-    results["tight"].append(measure(llm, tight, vocab, "vanilla", None))
+    eviction = None
+    if side == "eviction":
+        eviction = {"policy": "keydiff", "budget": 1024, **({"request_policies": ["snapkv"]} if full else {})}
+    llm = make_llm(**engine_kwargs(model, **common, eviction=eviction))
+    for name, extra in variants(scenario, side, full):
+        result = measure(llm, case, vocab, name, extra)
+        records.add("measure", runner=runner, scenario=case.name, **result)
     close(llm)
-
-    llm = make_llm(**engine_kwargs(model, **common, eviction={"policy": "keydiff", "budget": 1024}))
-    results["spare"].append(measure(llm, spare, vocab, "eviction on, never evicting", {"kv_budget": 100000}))
-    results["spare"].append(measure(llm, spare, vocab, "keydiff 1024", None))
-    if full:
-        results["spare"].append(measure(llm, spare, vocab, "snapkv 1024", {"kv_eviction": "snapkv"}))
-    results["tight"].append(measure(llm, tight, vocab, "keydiff 1024 (chunked)", None))
-    if full:
-        results["tight"].append(measure(llm, tight, vocab, "snapkv 1024 (chunked)",
-                                        {"kv_eviction": "snapkv", "kv_eviction_config": '{"schedule": "chunked"}'}))
-    close(llm)
-    if full:  # SnapKV's decode windows accumulated query by query, not kept in lent pages (docs/engine.md#observation-windows)
-        os.environ["VLLM_EVICT_WINDOW_PAGES"] = "0"
-        try:
-            llm = make_llm(**engine_kwargs(model, **common, eviction={"policy": "snapkv", "budget": 1024}))
-        finally:
-            del os.environ["VLLM_EVICT_WINDOW_PAGES"]
-        results["spare"].append(measure(llm, spare, vocab, "snapkv 1024, windows accumulated", None))
-        close(llm)
-    data = {"scenarios": [{"name": spare.name, "variants": results["spare"]},
-                          {"name": tight.name, "variants": results["tight"]}],
-            "notes": notes, "seconds": round(time.perf_counter() - started, 1)}
-    out.write_text(json.dumps(data, indent=1))
+    records.finish(notes=notes, seconds=round(time.perf_counter() - started, 1))
     return 0

@@ -245,11 +245,12 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)  # warm-up
         preempted = count_preemptions(core.scheduler)
-        steps = _time_steps(core)
+        steps, flush = _time_steps(core)
         with interpreted_triton() as triton_s:
             start = time.perf_counter()
             outputs = llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
             elapsed = time.perf_counter() - start
+        flush()
         timed = list(steps)
         steps.clear()
         if variant.eviction is None:  # vanilla: the decode step of a short request (speedup_ceiling)
@@ -257,6 +258,7 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
             llm.generate([{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(PROBE_PROMPT)]}],
                          SamplingParams(max_tokens=PROBE_DECODE + 1, temperature=0.0, ignore_eos=True),
                          use_tqdm=False)
+            flush()
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         assert generated == scenario.requests * scenario.generate, "the engine stopped early"
         tokens = sum(len(o.prompt_token_ids) for o in outputs) + generated
@@ -310,9 +312,10 @@ class StepTime:
     eviction: float = 0.0  # seconds of it the worker spent in eviction (its step timer: record, score, compact)
 
 
-def _time_steps(core: Any) -> list[StepTime]:
+def _time_steps(core: Any) -> tuple[list[StepTime], Callable[[], None]]:
     """Every engine step from now on, timed whole, with what its schedule planned and the worker's
-    eviction time in it (the in-process worker's step timer, read where the worker reports it)."""
+    eviction time in it (the in-process worker's step timer, read where the worker reports it); and the
+    ``flush`` to call after a run (``engine_watch.watch_steps``)."""
     steps: list[StepTime] = []
 
     def record(output: Any, seconds: float, eviction: float) -> None:
@@ -322,8 +325,7 @@ def _time_steps(core: Any) -> list[StepTime]:
                               set(output.num_scheduled_tokens) <= new,
                               len(plan.compress) if plan is not None else 0, eviction))
 
-    watch_steps(core, record)
-    return steps
+    return steps, watch_steps(core, record)
 
 
 PROBE_PROMPT, PROBE_DECODE = 64, 16  # vanilla's short request after its timed run

@@ -19,9 +19,20 @@ Flagged, as each synchronises on CUDA:
 * a device tensor built from Python numbers, lists or numpy arrays (``torch.tensor(x, device=...)``,
   ``torch.as_tensor(x, device=...)``, ``t.new_tensor(x)``), or indexed / assigned with a list or numpy array;
 * a copy to the device from host memory that is not a staging arena, or without ``non_blocking``;
+* a value written through tensor indices (``t[index] = v``, ``index_put_``) that lives in host memory: a
+  Python number (PyTorch makes it a CPU tensor) or a host tensor; ``index_put_`` copies it to the device
+  with a blocking copy from pageable memory. A number through plain indices (``t[:, 0] = 0.0``: a fill)
+  or an op's scalar argument (``masked_fill(m, 0.0)``, ``index_fill_``) is fine;
+* a host tensor with at least one dimension in an op with device tensors (an index tensor, an operand):
+  an error on CUDA, or a blocking copy (0-dim host tensors are read as scalars, as CUDA ops do);
+* a kernel launch (Triton, under the interpreter on CPU) given a host tensor; the launch itself is not
+  audited (the interpreter copies to and from the host, which a compiled kernel does not);
 * ops with a data-dependent output shape: ``nonzero`` / ``argwhere``, ``masked_select``, indexing or
   index-assignment with a boolean mask, ``unique`` (all variants), ``repeat_interleave`` without
   ``output_size``, ``bincount``.
+
+Tensors the code under audit receives from outside were made outside the audit: they stand for device
+tensors unless ``mark_host`` names them (e.g. vLLM's own CPU-side buffers, which the engine test marks).
 """
 
 from __future__ import annotations
@@ -47,7 +58,11 @@ DEVICE_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
 # Python-level reads of a tensor's data into host memory.
 HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
 BUILDERS = {"tensor", "as_tensor", "asarray"}
-# Factories: without ``device=`` they make host tensors.
+# Index-assignment ops, whose ``values`` argument is copied to the device when it lives on the host.
+INDEX_PUTS = {"index_put", "index_put_", "_index_put_impl_"}
+# Ops that move data between host and device (checked by the function layer) or make host tensors.
+TRANSFERS = {"copy_", "_to_copy", "lift_fresh", "lift_fresh_copy", "_local_scalar_dense"}
+# Factories: without ``device=`` (or with ``device="cpu"``, a string) they make host tensors.
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "randperm", "linspace", "eye",
              "empty_strided", "scalar_tensor"}
 
@@ -92,6 +107,8 @@ class SyncAudit:
         self._function = _FunctionAudit(self)
         self._dispatch = _DispatchAudit(self)
         self.ops_seen = 0  # ATen ops dispatched while auditing (a test that saw none audited nothing)
+        self.launches = 0  # kernel launches seen (their arguments audited, the launch itself not)
+        self._kernels = _KernelLaunches(self)
 
     # ---- host tensors ------------------------------------------------------------------------
     def is_host(self, t: torch.Tensor) -> bool:
@@ -113,11 +130,17 @@ class SyncAudit:
     def __enter__(self) -> "SyncAudit":
         self._function.__enter__()
         self._dispatch.__enter__()
+        self._kernels.install()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._kernels.remove()
         self._dispatch.__exit__(*exc)
         self._function.__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        return self._function.active
 
     def paused(self) -> "_Paused":
         return _Paused(self)
@@ -126,12 +149,62 @@ class SyncAudit:
 class _Paused:
     def __init__(self, audit: SyncAudit) -> None:
         self.audit = audit
+        self._saved: list[bool] = []
 
     def __enter__(self) -> None:
+        self._saved.append(self.audit._function.active)
         self.audit._function.active = self.audit._dispatch.active = False
 
     def __exit__(self, *exc: Any) -> None:
-        self.audit._function.active = self.audit._dispatch.active = True
+        self.audit._function.active = self.audit._dispatch.active = self._saved.pop()
+
+
+class _KernelLaunches:
+    """While an audit is entered, Triton launches (compiled, or the interpreter's on CPU) have their tensor
+    arguments checked (a host tensor given to a kernel); the launch itself runs paused: the interpreter
+    reads and writes through host copies, which a compiled kernel on the device does not."""
+
+    def __init__(self, audit: SyncAudit) -> None:
+        self.audit = audit
+        self._restore: list[tuple[type, Any]] = []
+
+    def install(self) -> None:
+        for cls in _launcher_classes():
+            original = cls.__dict__["run"]
+            self._restore.append((cls, original))
+            cls.run = self._checked(original)
+
+    def remove(self) -> None:
+        for cls, original in reversed(self._restore):
+            cls.run = original
+        self._restore.clear()
+
+    def _checked(self, original: Any) -> Any:
+        audit = self.audit
+
+        def run(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+            if not audit.active:
+                return original(kernel, *args, **kwargs)
+            audit.launches += 1
+            name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+            if any(audit.is_host(t) for t in _tensors([args, kwargs])):
+                audit.flag(f"launch {name}", "a host tensor given to a kernel (device kernels read device memory)")
+            with audit.paused():
+                return original(kernel, *args, **kwargs)
+        return run
+
+
+def _launcher_classes() -> list[type]:
+    """Triton's kernel classes whose ``run`` launches a kernel (none when Triton is not installed)."""
+    classes = []
+    for module, name in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+        if "run" in cls.__dict__:
+            classes.append(cls)
+    return classes
 
 
 class _FunctionAudit(TorchFunctionMode):
@@ -146,7 +219,8 @@ class _FunctionAudit(TorchFunctionMode):
             return func(*args, **kwargs)
         audit = self.audit
         name = getattr(func, "__name__", str(func))
-        device_given = kwargs.get("device") is not None
+        # The engine names its device with a torch.device; the string "cpu" means host memory.
+        device_given = kwargs.get("device") is not None and kwargs.get("device") != "cpu"
         if name in FACTORIES and not device_given:
             out = func(*args, **kwargs)
             audit.mark_host(out)
@@ -248,10 +322,15 @@ class _DispatchAudit(TorchDispatchMode):
                 audit.flag(name, "an output shape that depends on device data (a synchronisation)")
             elif name == "repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None:
                 audit.flag(name, "repeat_interleave without output_size (a synchronisation)")
-            elif name in ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"):
-                indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-                if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
-                    audit.flag(name, "boolean-mask indexing (an output shape that depends on device data)")
+            elif name in ("index", "_unsafe_index", *INDEX_PUTS) and any(
+                    isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                    for i in (args[1] if len(args) > 1 else kwargs.get("indices", ())) or ()):
+                audit.flag(name, "boolean-mask indexing (an output shape that depends on device data)")
+            elif name in INDEX_PUTS and len(args) > 2 and audit.is_host(args[2]):
+                audit.flag(name, "writes a host value through tensor indices (a Python number or a host tensor: "
+                                 "index_put_ copies it to the device, a blocking copy)")
+            elif name not in TRANSFERS and any(audit.is_host(t) and t.dim() > 0 for t in inputs):
+                audit.flag(name, "mixes a host tensor with device tensors (an error on CUDA, or a blocking copy)")
         elif inputs and name not in ("lift_fresh", "lift_fresh_copy"):
             audit.mark_host(out)
         return out

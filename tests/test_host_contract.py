@@ -406,9 +406,10 @@ def check_scheduler_cls_qualname(h: Host) -> None:
 
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, is_encoder_decoder=False,
                              scheduler_cls=SCHEDULER_CLS)
-    assert config.get_scheduler_cls() is EvictScheduler, (
-        f"vLLM changed SchedulerConfig.scheduler_cls: the qualname {SCHEDULER_CLS!r} resolved to "
-        f"{config.get_scheduler_cls()!r}")
+    # vLLM's own lookup (the plugin's choice by async_scheduling stands in front of it once registered).
+    found = resolve("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls")(config)
+    assert found is EvictScheduler, (
+        f"vLLM changed SchedulerConfig.scheduler_cls: the qualname {SCHEDULER_CLS!r} resolved to {found!r}")
 
 
 def check_use_v2_model_runner_env(h: Host, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -905,6 +906,57 @@ def check_v2_execute_model_order() -> None:
         position = match.end()
 
 
+def expect_order(symbol: str, *patterns: str, what: str) -> Callable[[], None]:
+    """``patterns`` match in this order in the source of ``symbol`` (a function or a class)."""
+
+    def check() -> None:
+        text, position = source_of(symbol), 0
+        for pattern in patterns:
+            match = re.compile(pattern).search(text, position)
+            assert match, f"vLLM changed {symbol}: {what} (no /{pattern}/ after /{patterns[0]}/...)"
+            position = match.end()
+
+    return check
+
+
+def check_one_step_in_flight() -> None:
+    """With async scheduling and no pipeline parallelism (which eviction refuses) vLLM keeps two batches in
+    its queue: step n+1 is scheduled while step n runs, and step n+2 only once step n's output is back
+    (engine/scheduler.py, staging.py rely on it)."""
+    text = inspect.getsource(resolve("vllm.config.vllm.VllmConfig.max_concurrent_batches").fget)
+    for pattern in (r"if self\.scheduler_config\.async_scheduling:", r"return pp_size \+ 1", r"if pp_size <= 1:\s*return 2"):
+        assert re.search(pattern, text), (
+            f"vLLM changed VllmConfig.max_concurrent_batches: no /{pattern}/ (async scheduling's batches in flight)")
+
+
+def check_async_outputs() -> None:
+    """The model runners' async step outputs are ``AsyncModelRunnerOutput``s, which the executors turn into the
+    step's ModelRunnerOutput with ``get_output()`` (engine/stats.py puts the worker report on it there)."""
+    base = resolve("vllm.v1.outputs.AsyncModelRunnerOutput")
+    assert callable(getattr(base, "get_output", None)), "vLLM changed AsyncModelRunnerOutput: no get_output"
+    for path in ("vllm.v1.worker.gpu_model_runner.AsyncGPUModelRunnerOutput", f"{V2}.async_utils.AsyncOutput"):
+        assert issubclass(resolve(path), base), f"vLLM changed {path}: no longer an AsyncModelRunnerOutput"
+    for executor in ("uniproc_executor", "multiproc_executor"):
+        text = inspect.getsource(importlib.import_module(f"vllm.v1.executor.{executor}"))
+        assert re.search(r"\.get_output\(\)", text), f"vLLM changed vllm.v1.executor.{executor}: no get_output() call"
+
+
+def check_jit_warmup_registry() -> None:
+    """engine/warmup.py registers the eviction warm-up as one kernel of the model runner's JIT warm-up
+    registry: a VllmJitKernel (get_warmup_keys, compile) registered in ``registry.activate()``, compiled by
+    ``registry.warmup()``."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    from vllm_evict.engine.warmup import WARMUP_KEY, warm_up_in_vllm
+
+    runs: list[int] = []
+    registry = JitWarmupRegistry(None)
+    assert warm_up_in_vllm(registry, True, lambda: runs.append(1)) and not runs
+    assert len(registry) == 1, f"vLLM changed JitWarmupRegistry: {len(registry)} registrations for one kernel"
+    registry.warmup()
+    assert runs == [1], f"vLLM changed JitWarmupRegistry.warmup: the kernel with key {WARMUP_KEY!r} compiled {len(runs)}x"
+
+
 def check_v2_input_batch_fields() -> None:
     cls = resolve(f"{V2}.input_batch.InputBatch")
     names = {f.name for f in dataclasses.fields(cls)}
@@ -966,6 +1018,46 @@ def _cases() -> list[Any]:
     add("ModelConfig:use_mla,get_sliding_window,hf_text_config,uses_mrope,max_model_len,architectures",
         check_model_config_attributes)
     add("SchedulerConfig.get_scheduler_cls:qualname", check_scheduler_cls_qualname)
+    # async scheduling (engine/scheduler.py, plugin.py, engine/stats.py, staging.py)
+    add("SchedulerConfig.get_scheduler_cls:picks_by_async_scheduling", expect_source(
+        "vllm.config.scheduler.SchedulerConfig.get_scheduler_cls",
+        r"if self\.scheduler_cls is None:\s*if self\.async_scheduling:",
+        "vLLM no longer picks its own scheduler by async_scheduling there (the plugin picks its two the same way)"))
+    add("SchedulerConfig.async_scheduling", expect_field("vllm.config.scheduler.SchedulerConfig", "async_scheduling"))
+    add("EngineCore.__init__:plugins_then_get_scheduler_cls", expect_order(
+        "vllm.v1.engine.core.EngineCore.__init__", r"load_general_plugins\(\)",
+        r"vllm_config\.scheduler_config\.get_scheduler_cls\(\)",
+        what="the engine core no longer loads the plugins, then builds the class get_scheduler_cls() returns"))
+    add("AsyncScheduler:subclasses_Scheduler", lambda: issubclass(
+        resolve("vllm.v1.core.sched.async_scheduler.AsyncScheduler"), resolve(SCHEDULER))
+        or pytest.fail("vLLM changed AsyncScheduler: no longer a Scheduler subclass"))
+    # With async scheduling vLLM caches a request's blocks as its outputs arrive (logical counts, which
+    # eviction's physical pages do not follow): a no-op, as prefix caching is off with eviction.
+    add("KVCacheManager.cache_blocks:only_with_prefix_caching", expect_source(
+        f"{KV_MANAGER}.cache_blocks", r"if self\.enable_caching:",
+        "cache_blocks no longer does nothing without prefix caching (which eviction turns off)"))
+    add("VllmConfig.max_concurrent_batches:one_step_in_flight", check_one_step_in_flight)
+    add("EngineCore.step_with_batch_queue:schedules_before_the_last_output", expect_order(
+        "vllm.v1.engine.core.EngineCore.step_with_batch_queue", r"self\.scheduler\.schedule\(",
+        r"self\.model_executor\.execute_model\(", r"future\.result\(\)", r"self\.scheduler\.update_from_output\(",
+        what="the batch queue no longer schedules and sends step n+1 before step n's output is read"))
+    add("AsyncModelRunnerOutput.get_output:V1,V2,executors", check_async_outputs)
+    # the eviction warm-up inside vLLM's kernel warm-up (engine/warmup.py)
+    add("JitWarmupRegistry:register_and_warmup", check_jit_warmup_registry)
+    add("KernelConfig.enable_jit_warmup", expect_field("vllm.config.kernel.KernelConfig", "enable_jit_warmup"))
+    add("V1.GPUModelRunner.__init__:jit_warmup_registry", expect_source(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner", r"@JitWarmupRegistry\.capture\s*def __init__",
+        "the V1 runner no longer gets its jit_warmup_registry when it is built"))
+    add("V2.GPUModelRunner.__init__:jit_warmup_registry", expect_source(
+        f"{V2_RUNNER}.__init__", r"self\.jit_warmup_registry = JitWarmupRegistry\(",
+        "Model Runner V2 no longer keeps a jit_warmup_registry"))
+    add("kernel_warmup:runs_the_jit_warmup_registry", expect_source(
+        "vllm.model_executor.warmup.kernel_warmup.kernel_warmup",
+        r"if enable_jit_warmup:[\s\S]*jit_warmup_registry[\s\S]*registry\.warmup\(\)",
+        "kernel_warmup no longer compiles the model runner's JIT warm-up registry"))
+    add("Worker:kernel_warmup_before_the_jit_monitor", expect_order(
+        "vllm.v1.worker.gpu_worker.Worker", r"kernel_warmup\(self\)", r"self\._maybe_activate_jit_monitor\(\)",
+        what="the GPU worker no longer runs kernel_warmup before it activates the JIT monitor"))
     add("VLLM_USE_V2_MODEL_RUNNER", check_use_v2_model_runner_env)
     add("vllm.v1.engine.core.get_kv_cache_configs", expect_params(
         "vllm.v1.engine.core.get_kv_cache_configs", "vllm_config", prefix=True))
@@ -1186,11 +1278,6 @@ def _cases() -> list[Any]:
              "the attention metadata no longer takes its host seq_lens bound from the batch"))])
     add("V2.NewRequestData:req_id,sampling_params", lambda: [expect_field(
         "vllm.v1.core.sched.output.NewRequestData", name)() for name in ("req_id", "sampling_params")])
-    add("V2.AsyncOutput.get_output:returns_model_runner_output", lambda: [expect_source(
-        f"{V2}.async_utils.AsyncOutput.{method}", pattern, what)() for method, pattern, what in (
-            ("__init__", r"self\.model_runner_output = model_runner_output", "no longer keeps model_runner_output"),
-            ("get_output", r"return self\.model_runner_output\b",
-             "get_output no longer returns the ModelRunnerOutput it wraps (the worker report rides on it)"))])
     add("V2.cpu.CPUModelRunner:subclasses_V2", lambda: (
         issubclass(resolve("vllm.v1.worker.cpu.model_runner.CPUModelRunner"), resolve(V2_RUNNER))
         or pytest.fail("vLLM changed vllm.v1.worker.cpu.model_runner.CPUModelRunner: no longer a V2 GPUModelRunner")),

@@ -44,6 +44,17 @@ from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, Evict
 from vllm_evict.staging import to_device as pinned_to_device
 
 POSITION_DTYPE = torch.int32  # logical positions below 2^31 (max_model_len is far below)
+_ZEROS: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def device_zero(buffer: Tensor) -> Tensor:
+    """A 0-dim zero of ``buffer``'s dtype on its device, made once. Written through tensor indices, a
+    Python 0.0 would become a CPU tensor that ``index_put_`` copies to the device (a blocking copy)."""
+    key = (buffer.device, buffer.dtype)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=buffer.dtype, device=buffer.device)
+    return zero
 
 
 @dataclass
@@ -138,7 +149,7 @@ class Group:
     ring_rows: Tensor | None  # int64: each row's ring slot (elastic rows: their window is kept as queries)
     step_tokens: Tensor | None  # int64 [R, M]: the row's tokens of this step (read by update_state)
     step_token_positions: Tensor | None  # int64 [R, M]: their positions, -1 on padding
-    slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1 (see ``slot_addresses``)
+    slot_pages: Tensor  # int64 [R, N]: page of each row's slots 0..N-1, the null page past its length
     slot_offsets: Tensor  # int64 [R, N]
     budget: Tensor | None = None  # int64: tokens kept per head (None: nothing evicted)
     budget_max: int = 0
@@ -288,7 +299,7 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                for i, n in enumerate(names)}
     query_window = per_row.pop("query_window", None)
     bounds = {n: (options[n].min().item(), options[n].max().item()) for n in per_row}
-    pages, offsets = slot_addresses(block_table, width, page_size)
+    pages, offsets = slot_addresses(block_table, width, page_size, lengths_t)  # padding: the null page
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,
                  ring_rows=ring_t if ring_rows is not None else None, step_tokens=step_tokens,
@@ -309,7 +320,7 @@ def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) ->
     rec = plan.record
     positions[:, rec.pages, :, rec.offsets] = rec.positions.view(-1, 1, 1)  # indexed: [T, L, H]
     for name in plan.zero_states:
-        states[name][:, rec.pages, :, rec.offsets] = 0.0
+        states[name][:, rec.pages, :, rec.offsets] = device_zero(states[name])
     if plan.ring_positions is not None and rec.ring_index is not None:
         written = rec.positions if rec.ring_tokens is None else rec.positions.index_select(0, rec.ring_tokens)
         plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, written.long())
@@ -502,7 +513,7 @@ def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[T
             ops.compact_tokens(buffers, group.block_table, result.keep, group.budget)
         if group.window_reset:  # the window was read: the survivors start the next one from zero
             for name in windows:
-                cache.state[name][pages, :, offsets] = 0.0
+                cache.state[name][pages, :, offsets] = device_zero(cache.state[name])
         kept.append(result.keep)
     return kept
 

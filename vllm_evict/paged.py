@@ -25,12 +25,22 @@ from vllm_evict import dense
 
 
 # ---- addressing -------------------------------------------------------------------------------------
-def slot_addresses(block_table: Tensor, width: int, page_size: int) -> tuple[Tensor, Tensor]:
-    """(pages, offsets) int64 [R, width] of slots 0..width-1 of every row (slots beyond a row's pages
-    read its last page: padding)."""
+TRASH_PAGE = 0  # vLLM's null page: never given to a request, so writes that must go nowhere land there
+
+
+def slot_addresses(block_table: Tensor, width: int, page_size: int,
+                   lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(pages, offsets) int64 [R, width] of slots 0..width-1 of every row (slots beyond the table's pages
+    read its last page). With ``lengths`` [R], every slot at or past its row's length is in ``TRASH_PAGE``:
+    what is written there (a padded grid's padding) lands nowhere. A row's block-table entries past its
+    own pages may name pages other requests hold now (Model Runner V2 leaves them as the row's last
+    occupant, or the row itself before a compaction, left them)."""
     slots = torch.arange(width, device=block_table.device)
     index = (slots // page_size).clamp_max(max(block_table.shape[1] - 1, 0)).expand(block_table.shape[0], -1)
-    return block_table.long().gather(1, index), (slots % page_size).expand(block_table.shape[0], -1)
+    pages = block_table.long().gather(1, index)
+    if lengths is not None:
+        pages = pages.masked_fill(slots.view(1, -1) >= lengths.view(-1, 1), TRASH_PAGE)
+    return pages, (slots % page_size).expand(block_table.shape[0], -1)
 
 
 def gather_slots(buffer: Tensor, pages: Tensor, offsets: Tensor) -> Tensor:
@@ -56,7 +66,6 @@ def write_slots(buffer: Tensor, pages: Tensor, offsets: Tensor, values: Tensor) 
 
 
 # ---- compaction -------------------------------------------------------------------------------------
-TRASH_PAGE = 0  # vLLM's null page: never given to a request, so writes that must go nowhere land there
 
 
 def compact_tokens(caches: list[Tensor], block_table: Tensor, keep: Tensor, counts: Tensor) -> None:

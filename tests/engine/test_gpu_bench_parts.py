@@ -32,8 +32,8 @@ def measure_reports_throughput_concurrency_and_eviction_share(engine):
     assert result["tokens_per_s"] > 0 and result["generated_per_s"] > 0 and result["steps"] > 0
     assert 1 < result["max_running"] <= 6
     assert 0 < result["eviction_share"] < 1, "the worker's step timer was not read"
-    assert result["prefill_chunk_eviction_share"] is not None
-    assert result["preemptions"] == 0
+    assert result["prefill_chunk_eviction_share"] is not None and 0 <= result["decode_hook_share"] < 1
+    assert result["preemptions"] == 0 and result["variant"] == "snapkv 64"
 
 
 def page_tracker_checks_every_request_against_its_bound(engine):

@@ -79,3 +79,20 @@ def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_fact
     launched = {key[0].rsplit(".", 1)[-1] for key in served_keys}
     assert {"_window_lse_kernel", "_window_colsum_kernel", "_keydiff_sum_kernel", "_center_sum_kernel",
             "_value_norms_kernel", "_compact_kernel"} <= launched, launched
+
+
+def test_the_warm_up_runs_inside_vllms_kernel_warm_up():
+    """On a GPU the eviction warm-up is one kernel of the model runner's JIT warm-up registry, which vLLM
+    compiles in its kernel warm-up, before its JIT monitor starts watching (no "JIT compilation during
+    inference" for ours); without a registry, or with vLLM's JIT warm-up off, the caller warms up at once."""
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    from vllm_evict.engine.warmup import warm_up_in_vllm
+
+    runs: list[str] = []
+    registry = JitWarmupRegistry(None)
+    assert not warm_up_in_vllm(None, True, lambda: runs.append("now"))
+    assert not warm_up_in_vllm(registry, False, lambda: runs.append("now")) and len(registry) == 0
+    assert warm_up_in_vllm(registry, True, lambda: runs.append("vllm")) and runs == []
+    registry.warmup()  # what vLLM's kernel_warmup does
+    assert runs == ["vllm"]

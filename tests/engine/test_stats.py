@@ -254,7 +254,7 @@ def test_metric_table_follows_vllm_conventions() -> None:
 def test_worker_report_never_mutates_vllms_empty_output() -> None:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-    report = WorkerReport(eviction_seconds=None, tracked_requests=0)
+    report = WorkerReport(eviction_seconds=(), tracked_requests=0)
     out = attach_worker_report(EMPTY_MODEL_RUNNER_OUTPUT, report)
     assert out is not EMPTY_MODEL_RUNNER_OUTPUT and getattr(out, WORKER_REPORT_ATTR) is report
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, WORKER_REPORT_ATTR)
@@ -263,10 +263,67 @@ def test_worker_report_never_mutates_vllms_empty_output() -> None:
 
 def test_step_timer_sums_layers_and_resets() -> None:
     timer = StepTimer("cpu")
-    assert timer.take() is None
+    assert timer.take() == []  # step 0: no eviction work
     for _ in range(3):
         with timer:
             sum(range(1000))
-    first = timer.take()
-    assert first is not None and first > 0
-    assert timer.take() is None
+    first = timer.take()  # step 1
+    assert [s.step for s in first] == [1] and first[0].seconds > 0
+    assert timer.take() == [] and timer.pending_from == 3
+
+
+class DeviceStream:
+    """CUDA's event semantics on one stream, the device's progress driven by the test: events complete in
+    the order they were recorded; ``query`` never waits; ``synchronize`` waits (counted)."""
+
+    def __init__(self) -> None:
+        self.recorded: list["DeviceEvent"] = []
+        self.done = 0  # events completed so far
+        self.waits = 0
+
+    def event(self) -> "DeviceEvent":
+        return DeviceEvent(self)
+
+    def advance(self, events: int) -> None:
+        self.done = min(len(self.recorded), self.done + events)
+
+
+class DeviceEvent:
+    def __init__(self, stream: DeviceStream) -> None:
+        self.stream, self.index = stream, -1
+
+    def record(self) -> None:
+        self.index = len(self.stream.recorded)
+        self.stream.recorded.append(self)
+
+    def query(self) -> bool:
+        return self.index < self.stream.done
+
+    def synchronize(self) -> None:
+        self.stream.waits += 1
+        self.stream.done = max(self.stream.done, self.index + 1)
+
+    def elapsed_time(self, end: "DeviceEvent") -> float:
+        assert self.query() and end.query(), "elapsed_time of an event that has not completed"
+        return float(end.index - self.index)  # milliseconds: one per event between them
+
+
+def test_step_timer_reads_device_events_late_and_never_waits() -> None:
+    """On a device, a step's time comes out of the first ``take()`` after its events completed; ``take()``
+    never waits for the device (the host may be a step ahead of it), ``flush()`` does."""
+    stream = DeviceStream()
+    timer = StepTimer(event=stream.event)
+    for _ in range(2):  # step 0: two layers with work (events 0-1, 2-3)
+        with timer:
+            pass
+    assert timer.take() == [] and timer.pending_from == 0  # the device has not run them yet
+    assert timer.take() == []  # step 1: no eviction work
+    with timer:  # step 2: events 4-5
+        pass
+    stream.advance(4)  # the device finished step 0
+    assert timer.take() == [(0, 0.002)] and timer.pending_from == 2
+    with timer:  # step 3: events 6-7 (reused from step 0's)
+        pass
+    assert timer.take() == [] and len(stream.recorded) == 8
+    assert timer.flush() == [(2, 0.001), (3, 0.001)] and timer.pending_from == 4
+    assert stream.waits == 1, "only flush() waits, once, for the last pending event"

@@ -111,8 +111,17 @@ class AuditedRunner:
                 for request_id, computed, prompt in zip(view.req_ids, view.computed, view.prompt):
                     phase = "decode" if computed >= prompt else "prefill"
                     self.kinds[request_id].add((phase, request_id in plan.keep))
+                self.audit.mark_host(vllm_host_tensors(self.runner, view))
             return build(view, plan, num_scheduled)
         return run
+
+
+def vllm_host_tensors(runner: Any, view: Any) -> list[torch.Tensor]:
+    """The host-side tensors of vLLM's runner and of this step's batch, which vLLM names ``*_cpu*`` (on a
+    GPU they live in host memory; made outside the audit, it would take them for device tensors)."""
+    owners = [runner, getattr(view, "batch", None)]
+    return [value for owner in owners if owner is not None for name, value in vars(owner).items()
+            if "cpu" in name and isinstance(value, torch.Tensor)]
 
 
 def run_audited(engine: Any, batch: dict[str, tuple[dict, dict]]) -> tuple[AuditedRunner, dict[str, str]]:

@@ -67,7 +67,7 @@ def inputs(policy: Policy, case: dict, phase: Phase, ops, keys, values) -> Evict
                           state=init_rows(policy, dense_k, dense_v, case["o_proj"]), layer=3,
                           seed=torch.tensor([5, 6, 7], device=lengths.device), head_offset=2,
                           o_proj=case["o_proj"] if policy.needs_o_proj else None, budget=budget,
-                          budget_max=max(BUDGETS), ops=ops)
+                          budget_max=max(BUDGETS), max_seq_len=2 * int(lengths.max()), ops=ops)
 
 
 def run(spec: str, options: dict, device, backend: str, group: int, layout: str, phase: Phase = Phase.PROMPT_END):

@@ -48,7 +48,7 @@ def one_row(keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor, qu
         query_positions=torch.as_tensor(query_positions).long().view(1, -1), scale=scale,
         seq_len=torch.tensor([int(seq_len)]), num_new=torch.tensor([int(num_new)]), phase=phase,
         state={k: v.unsqueeze(0) for k, v in (state or {}).items()}, layer=layer, seed=torch.tensor([seed]),
-        head_offset=head_offset, o_proj=o_proj)
+        head_offset=head_offset, o_proj=o_proj, max_seq_len=int(seq_len))
 
 
 def make_inputs(h_kv: int, group: int, n: int, d: int, w: int, seed: int = 0,
@@ -88,7 +88,7 @@ def init_rows(policy: Policy, keys: Tensor, values: Tensor, o_proj: Tensor | Non
     computed = policy.init_state(flat(keys), flat(values), o_proj)
     state = {name: v.reshape(h, r, n).permute(1, 0, 2) for name, v in computed.items()}
     for name in policy.state_names:
-        state.setdefault(name, torch.zeros(r, h, n))
+        state.setdefault(name, torch.zeros(r, h, n, device=keys.device))
     return state
 
 
@@ -171,7 +171,7 @@ def stack_rows(rows: Sequence[EvictionInputs], width: int | None = None, window:
         scale=first.scale, seq_len=torch.cat([r.seq_len for r in rows]), num_new=torch.cat([r.num_new for r in rows]),
         phase=first.phase, state={k: torch.stack(v) for k, v in state.items()}, layer=first.layer,
         seed=torch.cat([torch.as_tensor(r.seed).view(1) for r in rows]), head_offset=first.head_offset,
-        o_proj=first.o_proj)
+        o_proj=first.o_proj, max_seq_len=max(r.max_seq_len for r in rows))
 
 
 # ---- naive references -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def row_inputs(policy: Policy, phase: Phase, index: int, o_proj: torch.Tensor | 
     new = 1 if phase is Phase.DECODE else new
     inp = make_inputs(HEADS, GROUP, n, D, window_for(policy, n, new), seed=seed, phase=phase)
     inp = inp.evolve(positions=inp.positions + shift, query_positions=inp.query_positions + shift,
-                     seq_len=inp.seq_len + shift, num_new=torch.tensor([new]), layer=2,
+                     seq_len=inp.seq_len + shift, max_seq_len=inp.max_seq_len + shift, num_new=torch.tensor([new]), layer=2,
                      o_proj=inp.o_proj if o_proj is None else o_proj)
     return with_initial_state(policy, inp)
 
@@ -153,6 +153,7 @@ def test_draws_change_with_seed_layer_and_length_only(draws):
     assert torch.equal(draws(same), base)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("draws", STREAMS)
 def test_draws_are_the_same_on_gpu(draws):

@@ -84,7 +84,7 @@ def row_inputs(policy: Policy, case: Case, r: int) -> EvictionInputs:
     inp = make_inputs(case.h_kv, case.group, n, case.d, window_for(policy, n, new), seed=case.seeds[r],
                       phase=case.phase)
     o_proj = make_inputs(case.h_kv, case.group, 1, case.d, 0, seed=case.seeds[0]).o_proj  # shared by the batch
-    inp = inp.evolve(num_new=torch.tensor([new]), layer=case.layer, seq_len=inp.seq_len + 5,
+    inp = inp.evolve(num_new=torch.tensor([new]), layer=case.layer, seq_len=inp.seq_len + 5, max_seq_len=inp.max_seq_len + 5,
                      positions=inp.positions + 5, query_positions=inp.query_positions + 5, o_proj=o_proj)
     return with_initial_state(policy, inp)
 

@@ -89,6 +89,7 @@ def test_protection():
             assert {0, 1, 27, 28, 29} <= set(keep[0, h].tolist())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cpu_and_gpu_agree():
     inp = make_inputs(2, 1, n=64, d=8, w=0, seed=4)

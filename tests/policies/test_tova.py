@@ -163,3 +163,14 @@ def test_group_masses_per_query_head():
     assert per_head.shape == (1, 2, 3, 9)
     torch.testing.assert_close(per_head[0].double(), rows.view(2, 3, 9), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(per_head.mean(dim=2), TOVA().attention_mass(inp))
+
+
+def test_the_layer_mean_needs_the_host_bound_on_positions():
+    """The layer mode matches heads by position up to ``seq_len_bound``, a host int the caller sets
+    (``max_seq_len``); unset, it is refused, not read from the device's ``seq_len`` (a synchronisation)."""
+    inp = make_inputs(2, 3, n=10, d=8, w=1, seed=3)
+    assert inp.seq_len_bound == 10 and TOVA().ranking_mass(inp).shape == (1, 2, 10)
+    with pytest.raises(ValueError, match=r"EvictionInputs.max_seq_len must be set \(the largest seq_len, a host "
+                                         r"int\).*not read from seq_len"):
+        TOVA().ranking_mass(inp.evolve(max_seq_len=0))
+    assert TOVA(heads="group").ranking_mass(inp.evolve(max_seq_len=0)).shape == (1, 2, 10)  # needs no bound

@@ -76,7 +76,7 @@ def run_policy(policy, c: dict, phase, shard, heads: slice, query_heads: slice) 
         queries=c["queries"][:, query_heads], query_positions=qpos, scale=D ** -0.5, seq_len=2 * lengths,
         num_new=num_new, phase=phase, state=state, layer=3, seed=torch.tensor([5, 6, 7]),
         head_offset=heads.start, o_proj=o_proj if policy.needs_o_proj else None,
-        budget=torch.tensor(BUDGETS), budget_max=max(BUDGETS),
+        budget=torch.tensor(BUDGETS), budget_max=max(BUDGETS), max_seq_len=2 * int(lengths.max()),
         kv_replicas=shard.kv_replicas if shard is not None else 1, ops=ops)
     return policy.step(inp)
 

@@ -38,9 +38,9 @@ from vllm_evict.engine.rows import PolicyTable, RowTable
 from vllm_evict.engine.runner_view import RunnerView
 from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward, return_window_pages
 from vllm_evict.engine.step_timer import StepTimer
+from vllm_evict.engine.warmup import WarmupGeometry, warm_up_in_vllm, warm_up_server
 from vllm_evict.engine.window_lender import query_group
 from vllm_evict.engine.window_pages import pages_for_window
-from vllm_evict.engine.warmup import WarmupGeometry, warm_up_server
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
@@ -168,7 +168,11 @@ class EvictRunnerMixin:
         logger.info("vllm_evict: kernels per operation: %s",
                     ", ".join(f"{op}={backend}" for op, backend in ops.describe(geometry.device).items()))
         if geometry.device.type == "cuda" and os.environ.get("VLLM_EVICT_WARMUP", "1") != "0":
-            self.evict_warm_up()
+            # In vLLM's kernel warm-up, before its JIT monitor starts watching (engine/warmup.py).
+            enabled = bool(getattr(getattr(self.vllm_config, "kernel_config", None),  # type: ignore[attr-defined]
+                                   "enable_jit_warmup", False))
+            if not warm_up_in_vllm(getattr(self, "jit_warmup_registry", None), enabled, self.evict_warm_up):
+                self.evict_warm_up()
 
     def evict_warm_up(self) -> None:
         """Compile every eviction kernel variant any request can need, now (engine/warmup.py)."""
@@ -269,14 +273,16 @@ class EvictRunnerMixin:
     # ---- step bookkeeping (shared; each runner's mixin calls these from its own hooks) ------------
     def _begin_step(self, scheduler_output: Any) -> EvictionPlan | None:
         """Before vLLM updates its request states: last step's compactions reach the block table, and
-        elastic compressions run before anything is written into the pages they give back."""
+        elastic compressions run before anything is written into the pages they give back. The step's
+        host-to-device copies take the next staging turn (one per engine step: vllm_evict/staging.py)."""
+        if self.evict_builder is not None:
+            self.evict_builder.staging.begin_step()
         self._apply_compactions(scheduler_output)
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         if plan is None or self.evict_rows is None:
             return plan
         if plan.compress or plan.window_returned:  # a pre-forward pass, before the forward writes anything
             with self.evict_timer:
-                self.evict_builder.staging.begin_step()
                 if plan.compress:
                     compress_before_forward(self, plan)
                 if plan.window_returned:

@@ -12,6 +12,17 @@ Each step:
    (``vllm_evict.schedule.eviction_target``) and attaches the plan to the SchedulerOutput; the workers
    evict right after each layer's attention of this step, keeping exactly that many tokens per head.
 
+Async scheduling (vLLM's default on GPU): ``EvictAsyncScheduler`` is this scheduler over vLLM's
+``AsyncScheduler``, picked the way vLLM picks its own (``scheduler_class``, by ``async_scheduling``;
+plugin.py). It schedules step n+1 while the workers run step n, before step n's output is back; nothing
+here waits for that output. Each request's logical count (``num_computed_tokens``) advances when a step is
+scheduled, and the plan's kept counts are the scheduler's own decision, so step n+1's plan is built on
+step n's compaction exactly as when the steps alternate. The pages step n's compaction frees are handed
+back at the start of step n+1's ``schedule()`` and can only be written by step n+1 or later: the workers
+run the steps in order, so step n's compaction (and every read and write of those pages in step n) comes
+first. A request that finishes in step n may already be in step n+1, whose output vLLM then drops; its
+pages go back when vLLM frees the request.
+
 Request intake. ``add_request`` is where the engine first sees a request: its eviction settings are
 resolved again (``vllm_evict.request_settings``; a request from this plugin's front end carries them in
 canonical form, one from elsewhere, e.g. a raw EngineCoreRequest, may carry the raw keys). A bad one is
@@ -27,6 +38,7 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -263,6 +275,16 @@ class EvictScheduler(Scheduler):
             tokens_cached=sum(self.tokens_in_cache(r) for r in self.running),
             tokens_logical=sum(r.num_computed_tokens for r in self.running), scheduler_requests=len(tracked))
         return EvictSchedulerStats.extend(stats, step)
+
+
+class EvictAsyncScheduler(EvictScheduler, AsyncScheduler):
+    """``EvictScheduler`` over vLLM's ``AsyncScheduler``: one step in flight (see the module docstring)."""
+
+
+def scheduler_class(async_scheduling: bool) -> type[EvictScheduler]:
+    """The eviction scheduler for an engine with or without async scheduling, as vLLM chooses between its
+    ``Scheduler`` and ``AsyncScheduler`` (``SchedulerConfig.get_scheduler_cls``)."""
+    return EvictAsyncScheduler if async_scheduling else EvictScheduler
 
 
 _MANAGER_CLASSES: dict[type, type] = {}

@@ -68,22 +68,29 @@ WORKER_REPORT_ATTR = "kv_eviction_report"  # attribute set on the step's ModelRu
 
 @dataclass
 class WorkerReport:
-    eviction_seconds: float | None  # time in eviction this step; None when no eviction work ran
+    # Time in eviction of each step whose time the worker read since its last report (on CUDA a step or two
+    # late: engine/step_timer.py); steps without eviction work are left out.
+    eviction_seconds: tuple[float, ...]
     tracked_requests: int  # requests the worker holds eviction state for
 
 
 def attach_worker_report(output: Any, report: WorkerReport) -> Any:
     """Set the report on a ModelRunnerOutput (returned as is when it is None or not a step output).
-    Model Runner V2 returns the step's output wrapped in an ``AsyncOutput``, which hands its
-    ``model_runner_output`` on when the engine asks for it: the report goes there."""
-    inner = getattr(output, "model_runner_output", None)
-    if inner is not None and hasattr(inner, "req_id_to_index"):
-        setattr(inner, WORKER_REPORT_ATTR, report)
+    An ``AsyncModelRunnerOutput`` (Model Runner V2's output, and the V1 runner's with async scheduling)
+    makes the step's ModelRunnerOutput when the executor asks for it (``get_output``, which waits for the
+    device): the report is set on what it makes."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+
+    if isinstance(output, AsyncModelRunnerOutput):
+        get_output = output.get_output
+
+        def get_output_with_report() -> Any:
+            return attach_worker_report(get_output(), report)
+
+        output.get_output = get_output_with_report  # type: ignore[method-assign]
         return output
     if output is None or not hasattr(output, "req_id_to_index"):
         return output
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-
     if output is EMPTY_MODEL_RUNNER_OUTPUT:
         output = copy.copy(output)  # a shared constant: never mutate it
     setattr(output, WORKER_REPORT_ATTR, report)
@@ -182,8 +189,8 @@ class EvictionAccounting:
         if report is None:
             return
         self.worker_requests = report.tracked_requests
-        if report.eviction_seconds is not None and self.log_stats:
-            self.step.step_seconds.append(report.eviction_seconds)
+        if self.log_stats:
+            self.step.step_seconds.extend(report.eviction_seconds)
 
     def take_step_stats(self, *, tokens_cached: int, tokens_logical: int,
                         scheduler_requests: int) -> EvictionStepStats:

@@ -134,7 +134,6 @@ class StepBuilder:
         num_reqs = view.num_reqs
         table_rows = view.rows
         num_tokens = int(num_scheduled[:num_reqs].sum())
-        self.staging.begin_step()
         self.make_lengths_physical(view, num_reqs, num_tokens)
 
         computed = view.computed
@@ -315,7 +314,7 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
     last step left it, with the latest queries of its window, and adds no token."""
     rows, layers = runner.evict_rows, runner.evict_layers
     view: RunnerView = runner.evict_view
-    staging = runner.evict_builder.staging  # (its turn began with the pre-forward pass, runner._begin_step)
+    staging = runner.evict_builder.staging
     page = runner.evict_buffers.geometry.page_size
     victims = []
     for request_id, keep in plan.compress.items():

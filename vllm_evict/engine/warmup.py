@@ -15,6 +15,14 @@ engine's). Whatever the ``ops`` dispatch picks on the device gets compiled, CUDA
 ahead of time). Each row keeps all its tokens, so the compacting kernels move nothing; positions and
 states are scratch tensors. On CPU nothing needs compiling: the engine does not call it there, and
 the tests call it under the Triton interpreter to check that it launches every variant a step does.
+
+When it runs (``warm_up_in_vllm``): inside vLLM's own kernel warm-up, as one entry of the model runner's
+JIT warm-up registry (``vllm.model_executor.warmup.jit_warmup``), which vLLM compiles in
+``kernel_warmup`` before it activates its JIT monitor. Compiling any earlier is fine for the monitor too,
+but then the log reads as if the kernels belonged to nobody's warm-up; later (after the monitor is
+active) it would log each of our kernels as "JIT compilation during inference". Where vLLM has no such
+registry, or its JIT warm-up is off (``--enforce-eager``: it expects compiles while serving and does not
+monitor them), the warm-up runs at once, while the KV cache is set up.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -78,9 +86,11 @@ def _qkv(tokens: int, g: WarmupGeometry) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None,
-            configs: list[EvictionConfig] | None = None) -> list[str]:
+            configs: list[EvictionConfig] | None = None,
+            to_device: Callable[..., list[Tensor]] | None = None) -> list[str]:
     """Run every method's eviction step once per (phase, evicting) over two null-page rows of ``g``;
-    returns the specs skipped (CriticalKV when ``o_proj`` gives no weight)."""
+    returns the specs skipped (CriticalKV when ``o_proj`` gives no weight). ``to_device``: the host-to-device
+    copy of the steps' index arrays (``build_group``'s; None: pinned blocks of PyTorch's host allocator)."""
     device, page = g.k.device, g.k.shape[2]
     h_kv, d = g.k.shape[1], g.k.shape[3]
     k, v = g.k[:1], g.v[:1]  # the null page only (same strides as the whole cache), next to 1-page scratch buffers
@@ -131,12 +141,41 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
                                 scheduled=scheduled, seed=np.zeros(2, dtype=np.int64),
                                 keep=lengths if evicting else None,  # keep everything: nothing moves
                                 ring_rows=np.arange(2) if mode == "ring" else None,
-                                token_starts=np.array([0, scheduled[0]], dtype=np.int64), window=accumulated)
+                                token_starts=np.array([0, scheduled[0]], dtype=np.int64), window=accumulated,
+                                to_device=to_device)
             plan = StepPlan(record=record, groups=[group], ring_positions=ring_positions, zero_states=zero_states)
             query, key, value = _qkv(tokens, g)
             record_layer(cache, plan, initializers, query, key, value)
             evict_layer(cache, plan, tokens_view(query, tokens, g.query_heads, d))
     return skipped
+
+
+WARMUP_KEY = "vllm_evict: every method's eviction kernels"
+
+
+def warm_up_in_vllm(registry: Any, enabled: bool, warm: Callable[[], None]) -> bool:
+    """Register ``warm`` with vLLM's JIT warm-up ``registry`` (the model runner's ``jit_warmup_registry``;
+    ``enabled``: vLLM's ``kernel_config.enable_jit_warmup``), which runs it once in ``kernel_warmup``.
+    Returns False, having run nothing, where that cannot be done: the caller warms up at once."""
+    if registry is None or not enabled:
+        return False
+    try:
+        from vllm.model_executor.warmup.jit_warmup import VllmJitKernel
+    except ImportError:
+        return False
+
+    class EvictionKernels(VllmJitKernel):  # type: ignore[misc]
+        """One compile key: the whole eviction warm-up (its variants are fixed by the model, not by vLLM)."""
+
+        def get_warmup_keys(self) -> list[str]:
+            return [WARMUP_KEY]
+
+        def compile(self, compile_key: str) -> None:
+            warm()
+
+    with registry.activate():
+        EvictionKernels().register_warmup()
+    return True
 
 
 def warm_up_server(g: WarmupGeometry, o_proj: Callable[[], Tensor | None]) -> None:

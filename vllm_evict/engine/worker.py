@@ -54,12 +54,12 @@ def install_runner_mixin(worker: Any) -> None:
 def report_step(worker: Any, output: Any) -> Any:
     """The step's output with the worker's eviction report (time spent evicting, requests with state),
     for the scheduler's metrics. vLLM returns the output from execute_model or, when that returns None,
-    from sample_tokens; the time accumulates until an output carries it."""
+    from sample_tokens: one output per engine step, which ends the timer's step (engine/step_timer.py)."""
     if output is None:
         return None
     runner = worker.model_runner
     rows = runner.evict_rows
-    report = WorkerReport(eviction_seconds=runner.evict_timer.take(),
+    report = WorkerReport(eviction_seconds=tuple(step.seconds for step in runner.evict_timer.take()),
                           tracked_requests=len(rows.held_requests()) if rows is not None else 0)
     return attach_worker_report(output, report)
 

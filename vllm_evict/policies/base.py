@@ -116,7 +116,7 @@ class EvictionInputs:
     o_proj: Tensor | None = None  # [hidden, H_q * d] output projection, for policies that need it
     budget: Tensor | None = None  # int64 [R]: tokens each row keeps per head this step (None: no eviction)
     budget_max: int = 0  # the largest budget, known on the host so that shapes need no device sync
-    max_seq_len: int = 0  # the largest seq_len, on the host (0: read from ``seq_len``, a device sync)
+    max_seq_len: int = 0  # the largest seq_len, on the host (0: unknown; ``seq_len_bound`` refuses to guess)
     ops: ScoreOps = DENSE  # where the heavy score arithmetic runs (the engine's reads its pages)
     # int64 [R]: queries in the window the engine accumulated into state WINDOW_MASS (None: the window's
     # queries are ``queries`` and its mass is computed from them).
@@ -176,8 +176,13 @@ class EvictionInputs:
 
     @property
     def seq_len_bound(self) -> int:
-        """A host int above every logical position in the batch."""
-        return self.max_seq_len or int(self.seq_len.max()) if self.num_rows else 0
+        """A host int above every logical position in the batch: ``max_seq_len``, which the caller knows on
+        the host (reading it from ``seq_len`` would make the host wait for the device)."""
+        if self.num_rows and self.max_seq_len <= 0:
+            raise ValueError("EvictionInputs.max_seq_len must be set (the largest seq_len, a host int) for a "
+                             "policy that needs a bound on the positions; it is not read from seq_len, which "
+                             "would make the host wait for the device")
+        return self.max_seq_len if self.num_rows else 0
 
     def latest_query_positions(self, count: Tensor | int) -> Tensor:
         """The query positions with all but each row's ``count`` most recent queries emptied."""
