@@ -92,7 +92,7 @@ def scenarios() -> dict[str, Scenario]:
             variants=[Variant("vanilla", None),
                       Variant("never evicts", {"policy": "snapkv", "budget": 4096}),
                       Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
-                      Variant("snapkv 256, windows accumulated", {"policy": "snapkv", "budget": 256}, env=ACCUMULATE),
+                      Variant("snapkv 256 accumulated", {"policy": "snapkv", "budget": 256}, env=ACCUMULATE),
                       Variant("keydiff 256", {"policy": "keydiff", "budget": 256}),
                       Variant("elastic snapkv 256", {"policy": "snapkv", "budget": 256, "mode": "elastic"})],
             targets={"never evicts": 0.97, "snapkv 256": 0.95, "keydiff 256": 0.95,

@@ -85,6 +85,9 @@ class EvictScheduler(Scheduler):
         self.window_pages = WindowPageLender(self)
         self.accounting = EvictionAccounting(self.log_stats)  # metrics and per-request reports
         self.stats_client = 0  # the front end that got the last SchedulerStats
+        # vLLM's own "Using custom scheduler class" line is not printed (plugin.py picks the class), so this
+        # line is what shows an operator (and the server tests) that the engine core schedules with eviction
+        logger.info("vllm_evict: scheduler %s.%s", type(self).__module__, type(self).__qualname__)
 
     # ---- per-request configuration ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
