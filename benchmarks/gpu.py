@@ -119,7 +119,7 @@ GROUPS = {"engine": ("engine-vanilla", "engine-v2", "engine-v1"), "bench": tuple
           **{f"bench-{r}": tuple(b for b in BENCH if b.startswith(f"bench-{r}-")) for r in ("v2", "v1")},
           **{f"bench-{r}-{s}": tuple(b for b in BENCH if b.startswith(f"bench-{r}-{s}-")) for r in ("v2", "v1")
              for s in SCENARIOS}}
-DEFAULT_PHASES = "env,engine,bench-v2-8k,bench-v2-spare,kernels,bench-v1-8k,bench-v1-spare,contract"
+DEFAULT_PHASES = "env,engine,bench-v2-8k,bench-v2-spare,kernels,kernel-times,bench-v1-8k,bench-v1-spare,contract"
 
 
 @dataclass
@@ -165,6 +165,10 @@ def plan(args: argparse.Namespace) -> list[Phase]:
         "kernels": Phase("kernels", "every kernel and the policies on CUDA against the PyTorch references", 90, 300,
                          [*pytest, *GPU_TEST_PATHS, "-m", "gpu", "--continue-on-collection-errors",
                           "--junitxml", str(out / "kernels.xml")]),
+        "kernel-times": Phase("kernel-times", "benchmarks/kernels.py: every eviction kernel timed (the window pass "
+                              "and its softmax, also added into the paged state; KeyDiff, CAOTE, compaction) and "
+                              "the per-layer step beside attention", 60, 240,
+                              [py, str(Path(me).parent / "kernels.py"), "--out", str(out / "kernels.md")]),
         "contract": Phase("contract", "host contract and CLI flags with the GPU present", 30, 180,
                           [*pytest, "tests/test_host_contract.py", "tests/test_cli_flags.py",
                            "--junitxml", str(out / "contract.xml")]),

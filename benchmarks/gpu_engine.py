@@ -107,6 +107,7 @@ class PathMonitor:
             module.impl.forward = self._checked(runner._make_hook(index, self._unchecked(original)))
         runner.evict_builder.build = self._checked(runner.evict_builder.build)
         runner_module.compress_before_forward = self._checked(runner_module.compress_before_forward)
+        runner_module.return_window_pages = self._checked(runner_module.return_window_pages)
         rows = runner.evict_rows  # per-row bookkeeping as requests join and leave the batch
         for name in ("add", "park", "forget", "clear", "move", "swap"):
             setattr(rows, name, self._checked(getattr(rows, name)))

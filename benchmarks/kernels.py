@@ -112,6 +112,7 @@ def kernel_cases(shapes: Shapes) -> list[KernelCase]:
     cases = []
     for c in shapes.contexts:
         cases += [KernelCase("window_mass", "group sum", c), KernelCase("window_mass", "per query head", c),
+                  KernelCase("window_mass", "added into the paged state", c),
                   KernelCase("keydiff_scores", "", c), KernelCase("output_error", "caote", c),
                   KernelCase("compact_tokens", "K, V, positions; half kept", c)]
     cases += [KernelCase("value_norms", "decode step", 0, shapes.rows),
@@ -126,7 +127,8 @@ def kernel_bytes(case: KernelCase, s: Shapes, rows: int) -> int:
     cache = rows * n * h * s.head_size * e  # one of K or V over the rows' candidates
     per_slot_fp32 = rows * n * h * 4
     if case.op == "window_mass":
-        out = per_slot_fp32 * (s.group if case.variant == "per query head" else 1)
+        out = per_slot_fp32 * (s.group if case.variant == "per query head" else 2 if case.variant.startswith("added")
+                               else 1)  # added: the state is read and written
         return 2 * (cache + per_slot_fp32) + rows * s.window * s.query_heads * s.head_size * e + out
     if case.op == "keydiff_scores":
         return 2 * cache + per_slot_fp32
@@ -492,6 +494,10 @@ def kernel_call(case: KernelCase, backend: str, rows: int, kv: PagedKV, position
         queries = torch.randn(rows, s.window, s.query_heads, s.head_size, dtype=s.dtype, device=device)
         qpos = (n - s.window + torch.arange(s.window, device=device)).expand(rows, -1).contiguous()
         per_head = case.variant == "per query head"
+        if case.variant.startswith("added"):  # the engine's window step: the mass added into its paged state
+            state = torch.zeros(positions.shape, dtype=torch.float32, device=device)
+            return lambda: ops.accumulate_window_mass(state, kv.k, table, lengths, queries, qpos, s.head_size ** -0.5,
+                                                      positions=positions, width=n, backend=backend)
         return lambda: ops.window_mass(kv.k, table, lengths, queries, qpos, s.head_size ** -0.5, positions=positions,
                                        width=n, per_query_head=per_head, backend=backend)
     if case.op == "keydiff_scores":

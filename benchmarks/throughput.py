@@ -4,6 +4,7 @@
     python benchmarks/throughput.py tight     # 8 x (3000 + 64) through a 4,096-token pool
     python benchmarks/throughput.py decode    # 16 x (256 + 512), eviction after every page of growth
     python benchmarks/throughput.py mixed     # passkey prompts and short chats, a pool at half the demand
+    python benchmarks/throughput.py configs   # 32 requests with a config each (seeds, budgets, windows) vs identical
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
     python benchmarks/throughput.py all --json results.json --plot modes.png
     python benchmarks/throughput.py --replot results.json --plot modes.png   # redraw without measuring
@@ -55,6 +56,13 @@ class Variant:
     name: str
     eviction: dict[str, Any] | None
     pool_tokens: int | None = None  # None: the scenario's pool
+    env: dict[str, str] = field(default_factory=dict)  # environment of the engine's start-up
+    # Per-request settings (SamplingParams.extra_args) of request i, e.g. its own seed or budget.
+    per_request: Callable[[int], dict[str, Any]] | None = None
+
+
+# Decode windows accumulated query by query instead of waiting in lent KV pages (the default).
+ACCUMULATE = {"VLLM_EVICT_WINDOW_PAGES": "0"}
 
 
 @dataclass
@@ -84,10 +92,10 @@ def scenarios() -> dict[str, Scenario]:
             variants=[Variant("vanilla", None),
                       Variant("never evicts", {"policy": "snapkv", "budget": 4096}),
                       Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
-                      Variant("snapkv 256 window ring", {"policy": "snapkv", "budget": 256, "window_ring": True}),
+                      Variant("snapkv 256 accumulated", {"policy": "snapkv", "budget": 256}, env=ACCUMULATE),
                       Variant("keydiff 256", {"policy": "keydiff", "budget": 256}),
                       Variant("elastic snapkv 256", {"policy": "snapkv", "budget": 256, "mode": "elastic"})],
-            targets={"never evicts": 0.97, "snapkv 256": 0.95, "snapkv 256 window ring": 0.95, "keydiff 256": 0.95,
+            targets={"never evicts": 0.97, "snapkv 256": 0.95, "keydiff 256": 0.95,
                      "elastic snapkv 256": 0.99}),
         "tight": Scenario(
             "tight", requests=8, prompt=3000, generate=64, pool_tokens=4096, chunk=512,
@@ -101,9 +109,24 @@ def scenarios() -> dict[str, Scenario]:
             equal_pool=True,
             variants=[Variant("vanilla", None),
                       Variant("snapkv 256, slack 1 page", {"policy": "snapkv", "budget": 256, "slack": PAGE}),
-                      Variant("snapkv 256, slack 1 page, window ring",
-                              {"policy": "snapkv", "budget": 256, "slack": PAGE, "window_ring": True})],
-            targets={"snapkv 256, slack 1 page": 0.95, "snapkv 256, slack 1 page, window ring": 0.95}),
+                      Variant("snapkv 256, slack 1 page, windows accumulated",
+                              {"policy": "snapkv", "budget": 256, "slack": PAGE}, env=ACCUMULATE)],
+            targets={"snapkv 256, slack 1 page": 0.97}),
+        # The same 32 requests with one config each (seeds, budgets, windows of their own) and with identical
+        # configs: requests of one method share a group whatever their numbers, so the eviction work per
+        # layer is the same.
+        "configs": Scenario(
+            "configs", requests=32, prompt=512, generate=128, pool_tokens=32 * (512 + 128) + 8 * PAGE, chunk=2048,
+            equal_pool=True,
+            variants=[Variant("vanilla", None),
+                      Variant("snapkv 128, identical", {"policy": "snapkv", "budget": 128}),
+                      Variant("snapkv 128, 32 seeds", {"policy": "snapkv", "budget": 128},
+                              per_request=lambda i: {"kv_eviction_config": json.dumps({"seed": i})}),
+                      Variant("snapkv 97-128, 32 budgets", {"policy": "snapkv", "budget": 128},
+                              per_request=lambda i: {"kv_budget": 97 + i}),
+                      Variant("snapkv, 32 seeds, 32 budgets, 4 windows", {"policy": "snapkv", "budget": 128},
+                              per_request=lambda i: {"kv_budget": 97 + i, "kv_eviction_config": json.dumps(
+                                  {"seed": i, "window": (8, 16, 24, 32)[i % 4]})})]),
         # 16 passkey prompts (~540 tokens, the quality smoke prompts) and 16 short ones generating 128
         # tokens: a demand of about 12k tokens through a pool of half that.
         "mixed": Scenario(
@@ -164,7 +187,23 @@ def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_s
         disable_log_stats=True)
     if variant.eviction is not None:
         kwargs["additional_config"] = {"kv_eviction": variant.eviction}
-    return LLM(**kwargs)
+    with environment(variant.env):
+        return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set while the engine starts (its scheduler and workers read their switches then)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def passkey_prompts(count: int) -> list[tuple[str, str]]:
@@ -199,7 +238,10 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
     try:
         core = llm.llm_engine.engine_core.engine_core
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        params = SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True)
+        params: Any = SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True)
+        if variant.per_request is not None:
+            params = [SamplingParams(max_tokens=scenario.generate, temperature=0.0, ignore_eos=True,
+                                     extra_args=variant.per_request(i)) for i in range(scenario.requests)]
         llm.generate([prompts_for(scenario, vocab, seed=99)[0]], SamplingParams(max_tokens=4, temperature=0.0),
                      use_tqdm=False)  # warm-up
         preempted = count_preemptions(core.scheduler)
@@ -430,16 +472,16 @@ def draw_modes(results: dict[str, Any], path: Path) -> Path:
 
 
 # ---- host time of the hooks ------------------------------------------------------------------------
-# Two decode steps that evict nothing: every request far from its next eviction (the hooks record only
-# positions), and every request near it (its queries go to the observation-window ring each step:
-# budget 64 + slack 64 - window 63 = 65 tokens, below every decode length, and no request of
-# 64 + 64 tokens reaches the 128 that would evict: the last generated token is never computed).
-# Decode lengths 65-127 are all within the window of the eviction at budget + slack = 128, which none reaches:
-# every step adds its queries' attention to the window mass, none evicts; with the server option
-# window_ring, every step writes its queries into the ring instead.
-HOST_CASES = {"far from eviction": {"policy": "snapkv", "budget": 4096},
-              "accumulating the window": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64},
-              "window in the ring": {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64, "window_ring": True}}
+# Decode steps that evict nothing: every request far from its next eviction (the hooks record only
+# positions), and every request near it: budget 64 + slack 64 - window 63 = 65 tokens, below every decode
+# length, and no request of 64 + 64 tokens reaches the 128 that would evict (the last generated token is
+# never computed). Decode lengths 65-127 are all within the window of the eviction at budget + slack = 128,
+# which none reaches: every step writes its queries into the request's lent window pages (the default),
+# or adds their attention to the window mass (lending off).
+NEAR = {"policy": "snapkv", "budget": 64, "window": 63, "slack": 64}
+HOST_CASES = {"far from eviction": Variant("far", {"policy": "snapkv", "budget": 4096}),
+              "window in lent pages": Variant("pages", NEAR),
+              "accumulating the window": Variant("accumulate", NEAR, env=ACCUMULATE)}
 
 
 def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[str, Any]:
@@ -447,20 +489,20 @@ def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[st
     evicts nothing, per case of ``HOST_CASES`` and batch size: the engine is instrumented from outside,
     nothing else changes."""
     out = {}
-    for case, eviction in HOST_CASES.items():
+    for case, variant in HOST_CASES.items():
         for batch in batches:
             out[f"{case}, batch {batch}"] = dict(case=case, batch=batch,
-                                                 **_hooks_time(model, dtype, batch, steps, eviction))
+                                                 **_hooks_time(model, dtype, batch, steps, variant))
     return out
 
 
-def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[str, Any]) -> dict[str, Any]:
+def _hooks_time(model: str, dtype: str, batch: int, steps: int, variant: Variant) -> dict[str, Any]:
     from vllm import SamplingParams
 
     pool = batch * (64 + steps + PAGE) + 4 * PAGE
     scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=pool,
                         chunk=max(2048, 64 * batch), equal_pool=True)  # a time, not a memory, comparison
-    llm = make_llm(model, dtype, scenario, Variant("host", eviction))
+    llm = make_llm(model, dtype, scenario, variant)
     try:
         runner = model_runner(llm.llm_engine.engine_core.engine_core)
         spent: list[float] = []
@@ -489,7 +531,7 @@ def _hooks_time(model: str, dtype: str, batch: int, steps: int, eviction: dict[s
         vocab = llm.llm_engine.model_config.get_vocab_size()
         params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
         llm.generate(prompts_for(scenario, vocab), params, use_tqdm=False)
-        assert evicted[0] == 0, f"the host-time case {eviction} evicted {evicted[0]} times"
+        assert evicted[0] == 0, f"the host-time case {variant.eviction} evicted {evicted[0]} times"
         return dict(hooks_ms_per_step_median=1e3 * statistics.median(spent),
                     hooks_ms_per_step_p90=1e3 * sorted(spent)[int(0.9 * (len(spent) - 1))],
                     steps=len(spent), layers=len(runner.evict_layers))
@@ -589,7 +631,7 @@ def format_host(rows: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "host", "all"])
+    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "configs", "host", "all"])
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")

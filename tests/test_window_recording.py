@@ -12,8 +12,8 @@ end for a policy that reads it there, AhaKV):
   since the previous read (documented in docs/engine.md): checked as a superset.
 
 Every window read outside a replay is thus a run of consecutive queries ending with the read: the
-request's latest ``count`` queries, which is what a server started with ``window_ring`` reads from its
-query ring instead of accumulating them (tests/engine/test_reference_agreement.py)."""
+request's latest ``count`` queries, which is what a request reads from its lent window pages instead of
+accumulating them (engine/window_pages.py, tests/engine/test_reference_agreement.py)."""
 
 from __future__ import annotations
 

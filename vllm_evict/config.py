@@ -23,7 +23,12 @@ from vllm_evict.schedule import SCHEDULES
 ENGINE_OPTIONS = ("schedule", "slack", "seed", "mode")
 # Options of the server alone (``ServerConfig``), never of a request; ``EvictionConfig.from_mapping``
 # skips them so that a server's mapping reads as its eviction config too.
-SERVER_OPTIONS = ("max_window", "request_policies", "window_ring")
+SERVER_OPTIONS = ("max_window", "request_policies")
+# Server options of earlier versions, and why they are gone.
+REMOVED_OPTIONS = {
+    "window_ring": "window_ring was removed: a request inside a decode window now keeps its window's queries in "
+                   "free pages of the KV pool by default (docs/engine.md#observation-windows); drop the option",
+}
 # Options whose value is a width in tokens read through queries (or kept as such): at most max_window.
 WINDOW_OPTIONS = ("window", "proxy", "recent")
 MAX_WINDOW = 4096  # the largest max_window a server may reserve (NaCl's automatic rule needs <= 1024)
@@ -204,20 +209,18 @@ class ServerConfig:
     """What a server evicts by default (``eviction``) and what it reserves at start-up for requests:
     ``max_window``, the widest query window (SnapKV window, NaCl proxy count, AhaKV recent window) any
     request may use; ``request_policies``, methods clients may choose beyond those whose needs the
-    server's own method covers; and ``window_ring``, whether fixed-mode requests keep their observation
-    window's queries in a query ring reserved at start-up (``max_window`` queries per running request:
-    decode steps inside a window only store their queries) instead of accumulating the window's mass
-    query by query (no memory beyond a per-token state). ``vllm_evict.reservation`` turns them into
-    what the worker allocates."""
+    server's own method covers. ``vllm_evict.reservation`` turns them into what the worker allocates."""
 
     eviction: EvictionConfig
     max_window: int
     request_policies: tuple[str, ...] = ()
-    window_ring: bool = False
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> "ServerConfig":
         """From the server's ``kv_eviction`` mapping (``--kv-eviction*`` flags, ``additional_config``)."""
+        removed = next((key for key in REMOVED_OPTIONS if isinstance(mapping, Mapping) and key in mapping), None)
+        if removed is not None:
+            raise ValueError(REMOVED_OPTIONS[removed])
         eviction = EvictionConfig.from_mapping(mapping)
         specs = mapping.get("request_policies", [])
         if not isinstance(specs, (list, tuple)) or len(specs) > len(BASE_POLICIES) * (len(META_POLICIES) + 1):
@@ -245,19 +248,16 @@ class ServerConfig:
             if max_window > MAX_WINDOW:
                 raise ValueError(f"the server's query window ({widest}) is wider than the largest max_window, "
                                  f"{MAX_WINDOW}; shrink it")
-        window_ring = check_bool("window_ring", mapping.get("window_ring", False))
-        return cls(eviction=eviction, max_window=max_window, request_policies=tuple(dict.fromkeys(normalised)),
-                   window_ring=window_ring)
+        return cls(eviction=eviction, max_window=max_window, request_policies=tuple(dict.fromkeys(normalised)))
 
     @property
     def ring(self) -> bool:
-        """The server keeps a query ring: elastic requests need one (they can be compressed at any step),
-        and ``window_ring`` asks for one for fixed-mode requests too."""
-        return self.eviction.elastic or self.window_ring
+        """The server keeps a query ring: elastic requests need one (they can be compressed at any step)."""
+        return self.eviction.elastic
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.eviction.to_dict(), "max_window": self.max_window,
-                "request_policies": list(self.request_policies), "window_ring": self.window_ring}
+                "request_policies": list(self.request_policies)}
 
 
 # ---- JSON text from clients -------------------------------------------------------------------------

@@ -145,6 +145,13 @@ def output_error_from_center(alpha: Tensor, values: Tensor, center: Tensor, eps:
     return torch.where(one_minus < eps, torch.full_like(err, float("inf")), err)
 
 
+def floor_output_error(err: Tensor, alpha: Tensor, eps: Tensor) -> Tensor:
+    """CAOTE errors computed with a floor at most every row's ``eps`` ([R, 1, 1]), brought to each row's
+    own: +inf where 1 - alpha < eps; elsewhere max(1 - alpha, floor) = 1 - alpha already. Exactly
+    ``output_error`` with the row's own floor."""
+    return torch.where(1.0 - alpha < eps, torch.full_like(err, float("inf")), err)
+
+
 def output_error(alpha: Tensor, values: Tensor, lengths: Tensor, fast: bool = False, eps: float = 1e-6) -> Tensor:
     """CAOTE's score of every candidate from normalised base weights ``alpha`` [R, H, N] (0 on padding):
     X = Σ_j α_j v_j (``fast``: the plain mean of the row's values). fp32 [R, H, N], -inf on padding."""
@@ -191,9 +198,9 @@ def recent_mask(positions: Tensor, valid: Tensor, count: Tensor | int) -> Tensor
     return valid & (positions > threshold)
 
 
-def sink_mask(positions: Tensor, valid: Tensor, count: int) -> Tensor:
-    """Bool [R, H, N]: candidates among the first ``count`` logical positions."""
-    return valid & (positions < count)
+def sink_mask(positions: Tensor, valid: Tensor, count: Tensor | int) -> Tensor:
+    """Bool [R, H, N]: candidates among the first ``count`` logical positions (per row: an int or [R])."""
+    return valid & (positions < (count.view(-1, 1, 1) if isinstance(count, Tensor) else count))
 
 
 def order_by_position(positions: Tensor, valid: Tensor) -> Tensor:
@@ -208,37 +215,60 @@ def _in_position_order(scores: Tensor, order: Tensor, fn) -> Tensor:
     return torch.empty_like(ordered).scatter_(-1, idx, fn(ordered))
 
 
-def pool_in_position_order(scores: Tensor, positions: Tensor, valid: Tensor, kernel: int, kind: str) -> Tensor:
+def _pool_1d(x: Tensor, kernel: Tensor | int, kernel_max: int, kind: str) -> Tensor:
+    """Stride-1 'same' pooling along the last axis, kernel ``kernel`` (odd; per row of the first axis:
+    an int or [R]), zero padding (``avg``, dividing by the full kernel) or -inf padding (``max``).
+
+    With one kernel for every row this is torch's pooling. With a kernel per row the window is summed
+    over the widest kernel in order, the offsets outside a row's own kernel adding exact zeros: the
+    same sum in the same order as torch's pooling of that row alone, so a row's result does not depend
+    on the kernels of the rows batched with it."""
+    if not isinstance(kernel, Tensor):
+        flat = x.reshape(-1, 1, x.shape[-1])
+        pool = F.avg_pool1d if kind == "avg" else F.max_pool1d
+        return pool(flat, kernel, stride=1, padding=kernel // 2).reshape(x.shape)
+    half_max, n = kernel_max // 2, x.shape[-1]
+    half = (kernel // 2).view(-1, *([1] * (x.dim() - 1)))
+    filler = 0.0 if kind == "avg" else float("-inf")
+    padded = F.pad(x, (half_max, half_max), value=filler)
+    out = None
+    for offset in range(-half_max, half_max + 1):
+        term = padded[..., half_max + offset:half_max + offset + n]
+        term = torch.where(half >= abs(offset), term, torch.full_like(term, filler))
+        out = term if out is None else (out + term if kind == "avg" else torch.maximum(out, term))
+    return out / kernel.view(-1, *([1] * (x.dim() - 1))).to(x.dtype) if kind == "avg" else out
+
+
+def pool_in_position_order(scores: Tensor, positions: Tensor, valid: Tensor, kernel: Tensor | int, kind: str,
+                           kernel_max: int | None = None) -> Tensor:
     """Smooth scores [R, H, *, N] along each row's logical token order, stride 1, 'same' size.
 
     ``avg`` divides by the full kernel (zero padding at both ends of the row), ``max`` takes the max
-    of the in-row neighbours, ``none`` returns the scores unchanged."""
-    if kind == "none" or kernel <= 1:
+    of the in-row neighbours, ``none`` returns the scores unchanged. ``kernel`` per row: an int, or an
+    [R] tensor with ``kernel_max`` its largest value (on the host)."""
+    widest = kernel if not isinstance(kernel, Tensor) else kernel_max
+    if kind == "none" or widest <= 1:
         return scores
     if kind not in ("avg", "max"):
         raise ValueError(f"unknown pooling {kind!r}; choose avg, max or none")
     mask = valid.view(valid.shape[0], 1, *([1] * (scores.dim() - 3)), valid.shape[-1])
     filler = 0.0 if kind == "avg" else float("-inf")  # what the row's own edge padding would hold
     masked = scores.masked_fill(~mask, filler)
-
-    def pool(x: Tensor) -> Tensor:
-        flat = x.reshape(-1, 1, x.shape[-1])
-        if kind == "avg":
-            return F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(x.shape)
-        return F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(x.shape)
-
-    return _in_position_order(masked, order_by_position(positions, valid), pool)
+    return _in_position_order(masked, order_by_position(positions, valid),
+                              lambda x: _pool_1d(x, kernel, widest, kind))
 
 
-def mean_pool_in_position_order(values: Tensor, positions: Tensor, valid: Tensor, kernel: int) -> Tensor:
+def mean_pool_in_position_order(values: Tensor, positions: Tensor, valid: Tensor, kernel: Tensor | int,
+                                kernel_max: int | None = None) -> Tensor:
     """Average of each candidate's in-row neighbours along the logical order, counting only the
-    candidates that exist (``count_include_pad=False``): [R, H, N], 0 on padding."""
+    candidates that exist (``count_include_pad=False``): [R, H, N], 0 on padding. ``kernel`` per row as
+    ``pool_in_position_order`` takes it."""
     order = order_by_position(positions, valid)
     weight = valid.expand_as(values).float()
+    widest = kernel if not isinstance(kernel, Tensor) else kernel_max
 
     def window_sum(x: Tensor) -> Tensor:
-        flat = x.reshape(-1, 1, x.shape[-1])
-        return F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2).reshape(x.shape)
+        return _pool_1d(x, kernel, widest, "avg")
 
     total = _in_position_order(values.float().masked_fill(~valid, 0.0), order, window_sum)
     count = _in_position_order(weight, order, window_sum)

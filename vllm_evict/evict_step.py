@@ -12,9 +12,10 @@ A step has two phases, both batched over the step's requests:
   - the step's queries that belong to a row's observation window (``Group.window_tokens``) add their
     softmax rows over the row's cache to the per-token window mass (state ``WINDOW_MASS``): the window
     is accumulated as its queries arrive, so no query is kept for fixed-mode requests (see
-    ``vllm_evict.schedule.window_end`` for which queries those are). On a server with a query ring
-    (server option ``window_ring``) the window's queries wait in the ring instead, and the same mass is
-    computed once, from the ring, in the step that reads the window (``Group.window_slots``);
+    ``vllm_evict.schedule.window_end`` for which queries those are). A request inside a decode window
+    that the scheduler has lent pages of the KV pool (engine/window_pages.py) writes its window's
+    queries there instead (``Record.window_writes``), and the same mass is computed once, from them, in
+    the step that reads the window (``Group.window_read``);
   - one policy call scores the rows (padded to the longest) and the survivors of every (row, KV head)
     are compacted in place into the row's first slots, K, V, positions and state alike; a row that has
     read its window starts the next one from zero.
@@ -34,6 +35,8 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense, ops
+from vllm_evict.engine.window_pages import NO_PAGE, window_entries
+from vllm_evict.engine.window_pages import slot_addresses as window_slot_addresses
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_slots, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
@@ -107,6 +110,27 @@ class Record:
     positions: Tensor  # int32 [T]: logical position
     ring_index: Tensor | None  # int64 [T'] flat ring entry (slot * W + position % W) of each token written
     ring_tokens: Tensor | None = None  # int64 [T']: the tokens written to the ring (None: all T of them)
+    window_writes: "WindowWrites | None" = None  # window queries that go to lent pages
+
+
+@dataclass
+class WindowWrites:
+    """Window queries written into lent pages (engine/window_pages.py): for the slots in K halves and in
+    V halves, int64 [4, n] rows of (token in the step, member of the KV head's query group, page, offset)."""
+
+    k: Tensor
+    v: Tensor
+
+
+@dataclass
+class WindowRead:
+    """A group's windows as they wait in lent pages: the slots of each row's queries [R, M * G] (page,
+    offset, and whether in the V half) and the queries' logical positions [R, M] (-1: padding)."""
+
+    pages: Tensor
+    offsets: Tensor
+    in_v: Tensor
+    positions: Tensor
 
 
 @dataclass
@@ -137,9 +161,13 @@ class Group:
     window_positions: Tensor | None = None  # int64 [R, M']: their positions, -1 on padding
     window_gain: Tensor | None = None  # fp32: the window's logit gain (None: 1)
     window_reset: bool = False  # the rows read their window in this step: the next one starts from zero
-    # int64: each row's ring slot when the window's queries wait in the ring (server option window_ring)
-    # and its mass is computed from there when the window is read (None: accumulated as they arrive).
-    window_slots: Tensor | None = None
+    # The rows' window queries waiting in lent pages, read in this step (None: none waits there).
+    window_read: WindowRead | None = None
+    # The numeric options that differ between the rows (``EvictionInputs.row_options``), their host bounds,
+    # and each row's query window when they differ (elastic rows read that many from the ring).
+    row_options: dict[str, Tensor] = field(default_factory=dict)
+    row_option_bounds: dict[str, tuple] = field(default_factory=dict)
+    query_window: Tensor | None = None
 
 
 @dataclass
@@ -188,27 +216,35 @@ class WindowStep:
     """A group's accumulated observation window in this step, on the host (fixed mode): per row, the
     step's last ``recorded`` queries join the window, which then holds ``count`` queries; ``gain`` the
     logit gain of its softmax rows (None: 1); ``reset``: the rows read the window in this step;
-    ``slots``: the rows' ring slots when the window's queries wait in the ring until it is read (the
-    window is always its row's latest ``count`` queries), None when each adds its mass as it arrives."""
+    ``lent``: the rows' lent pages [R, P] when their window's queries wait there (None: each adds its
+    mass as it arrives), then ``queued`` of them wait there after this step's, the latest ones, in
+    ``capacity`` entries, ``group`` query heads per KV head here (engine/window_pages.py)."""
 
     recorded: np.ndarray
     count: np.ndarray
     gain: np.ndarray | None = None
     reset: bool = False
-    slots: np.ndarray | None = None
+    lent: np.ndarray | None = None
+    queued: np.ndarray | None = None
+    capacity: np.ndarray | None = None
+    group: int = 1
+    flush: bool = False  # the lent pages are given back: their queries' mass is read now, the window goes on
 
 
 def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: int, *, lengths: np.ndarray,
                 computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
                 ring_rows: np.ndarray | None, token_starts: np.ndarray | None,
-                window: WindowStep | None = None, to_device: Callable[..., list[Tensor]] | None = None) -> Group:
+                window: WindowStep | None = None, row_options: dict[str, np.ndarray] | None = None,
+                to_device: Callable[..., list[Tensor]] | None = None) -> Group:
     """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
 
     block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
     tokens before it; scheduled: this step's tokens; keep: tokens kept per head, or None (no eviction);
     ring_rows: each row's ring row (None: the rows keep no queries); token_starts: each row's first
     token in the packed token axis (needed to read this step's queries); window: the rows' accumulated
-    observation window (None: none, or kept as queries in the ring); to_device: the engine's staging
+    observation window (None: none, or kept as queries in the ring); row_options: the numeric options
+    that differ between the rows, per row (int64, or float64 for a float option; ``query_window``: each
+    row's policy's query window), the others are the policy's own; to_device: the engine's staging
     (``vllm_evict.staging.Staging.to_device``; None: pinned blocks of PyTorch's host allocator)."""
     device = block_table.device
     if to_device is None:
@@ -218,9 +254,7 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     # One [7, R'] block, R' even: every row of it starts 16 bytes aligned, whatever R is, so the kernels
     # reading these per-row numbers see the same pointer alignment on every step (no Triton recompile).
     host = np.zeros((7, rows + rows % 2), dtype=np.int64)
-    deferred = window is not None and window.slots is not None  # the window waits in the ring
-    slots = ring_rows if ring_rows is not None else window.slots if deferred else None
-    for i, column in enumerate((lengths, computed + scheduled, scheduled, seed, keep, slots,
+    for i, column in enumerate((lengths, computed + scheduled, scheduled, seed, keep, ring_rows,
                                 window.count if window is not None else None)):
         if column is not None:
             host[i, :rows] = column
@@ -230,10 +264,25 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     reads_step = policy.query_window is None or (policy.needs_every_step and ring_rows is None)
     if reads_step and token_starts is not None:
         arrays["step"] = np.stack(step_token_index(token_starts, scheduled, computed))
-    if not deferred and window is not None and token_starts is not None and window.recorded.any():
-        skipped = scheduled - window.recorded  # the window takes each row's last ``recorded`` tokens
-        arrays["window"] = np.stack(step_token_index(token_starts + skipped, window.recorded, computed + skipped))
-    reads_mass = "window" in arrays or (deferred and window.reset)
+    lent = window.lent if window is not None else None
+    deferred = lent[:, 0] != NO_PAGE if lent is not None else np.zeros(rows, dtype=bool)
+    if window is not None and token_starts is not None:
+        recorded = np.where(deferred, 0, window.recorded)  # a deferred row's queries went to its pages
+        if recorded.any():
+            skipped = scheduled - recorded  # the window takes each row's last ``recorded`` tokens
+            arrays["window"] = np.stack(step_token_index(token_starts + skipped, recorded, computed + skipped))
+    if window is not None and (window.reset or window.flush) and lent is not None and (window.queued > 0).any():
+        entries, positions = window_entries(computed + scheduled, window.queued, window.capacity)
+        slots = window_slot_addresses(lent, entries, window.group, page_size)
+        arrays["read"] = np.stack([slots.page.reshape(rows, -1), slots.offset.reshape(rows, -1),
+                                   slots.in_v.reshape(rows, -1)])
+        arrays["read_positions"] = positions
+    options = row_options or {}
+    names = sorted(options)
+    if names:  # floats travel as the bits of their float64
+        arrays["options"] = np.stack([options[n].astype(np.float64).view(np.int64) if options[n].dtype.kind == "f"
+                                      else options[n].astype(np.int64) for n in names])
+    reads_mass = "window" in arrays or "read" in arrays
     if reads_mass and window.gain is not None:  # the staging copies int64: the float32 gains travel as their bits
         arrays["gain"] = window.gain.astype(np.float32).view(np.int32).astype(np.int64)
     copied = dict(zip(arrays, to_device(*arrays.values())))  # one host-to-device copy for all of them
@@ -241,6 +290,15 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     step_tokens, step_positions = copied["step"].unbind(0) if "step" in copied else (None, None)
     window_tokens, window_positions = copied["window"].unbind(0) if "window" in copied else (None, None)
     window_gain = copied["gain"].to(torch.int32).view(torch.float32) if "gain" in copied else None
+    window_read = None
+    if "read" in copied:
+        read_pages, read_offsets, read_in_v = copied["read"].unbind(0)
+        window_read = WindowRead(pages=read_pages, offsets=read_offsets, in_v=read_in_v.bool(),
+                                 positions=copied["read_positions"])
+    per_row = {n: copied["options"][i].view(torch.float64) if options[n].dtype.kind == "f" else copied["options"][i]
+               for i, n in enumerate(names)}
+    query_window = per_row.pop("query_window", None)
+    bounds = {n: (options[n].min().item(), options[n].max().item()) for n in per_row}
     pages, offsets = slot_addresses(block_table, width, page_size, lengths_t)  # padding: the null page
     return Group(policy=policy, phase=phase, block_table=block_table, lengths=lengths_t, width=width,
                  seq_len=seq_len, num_new=num_new, seed=seed_t,
@@ -251,7 +309,8 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                  max_seq_len=int((computed + scheduled).max()),
                  window_count=count_t if window is not None else None, window_tokens=window_tokens,
                  window_positions=window_positions, window_gain=window_gain,
-                 window_reset=window is not None and window.reset, window_slots=ring_t if deferred else None)
+                 window_reset=window is not None and window.reset, window_read=window_read,
+                 row_options=per_row, row_option_bounds=bounds, query_window=query_window)
 
 
 # ---- record phase ---------------------------------------------------------------------------------
@@ -276,11 +335,14 @@ def tokens_view(x: Tensor, num_tokens: int, heads: int, head_size: int) -> Tenso
 
 def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], query: Tensor, key: Tensor,
                  value: Tensor) -> None:
-    """This layer's part of the record phase: the step's queries into the ring, and the per-token state
-    computed from K/V by ``initializers`` (one policy per computed state). query/key/value are the
-    attention's own inputs (``tokens_view`` shapes them); the common case costs one tensor operation."""
+    """This layer's part of the record phase: the step's queries into the ring and into lent window pages,
+    and the per-token state computed from K/V by ``initializers`` (one policy per computed state).
+    query/key/value are the attention's own inputs (``tokens_view`` shapes them); the common case costs
+    one tensor operation."""
     rec = plan.record
     num_tokens = rec.pages.shape[0]
+    if rec.window_writes is not None:
+        write_window_queries(cache, rec.window_writes, query, num_tokens)
     ring = cache.ring_flat
     if ring is not None and rec.ring_index is not None:
         q = tokens_view(query, num_tokens, ring.shape[1], ring.shape[2])
@@ -295,6 +357,35 @@ def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], 
     for policy in initializers:
         for name, values in policy.init_state(k, v, cache.o_proj, cache.record_ops).items():
             cache.state[name][rec.pages, :, rec.offsets] = values.transpose(0, 1).float()
+
+
+def _query_groups(cache: LayerCache, query: Tensor, num_tokens: int) -> Tensor:
+    """The step's queries as [T, H_kv, G, d] (query head h * G + g belongs to KV head h)."""
+    heads, head_size = cache.k.shape[1], cache.k.shape[3]
+    view = query.view(query.shape[0], -1, head_size)
+    return view[:num_tokens].view(num_tokens, heads, -1, head_size)
+
+
+def write_window_queries(cache: LayerCache, writes: WindowWrites, query: Tensor, num_tokens: int) -> None:
+    """Window queries into lent pages: each (query, group member) into its slot of a K or V half, through
+    the same views the engine compacts K and V with (engine/window_pages.py)."""
+    q = _query_groups(cache, query, num_tokens)
+    for target, slots in ((cache.k, writes.k), (cache.v, writes.v)):
+        token, member, page, offset = slots.unbind(0)
+        values = q[token, :, member]  # [n, H_kv, d]
+        target[page, :, offset] = values if values.dtype == target.dtype else values.to(target.dtype)
+
+
+def page_window(cache: LayerCache, read: WindowRead) -> tuple[Tensor, Tensor]:
+    """The window queries waiting in lent pages, [R, H_q, M, d] (laid out as ``step_window``'s: a view of
+    [R, M, H_q, d], so the kernels see one stride pattern), and their positions [R, M]."""
+    k = cache.k[read.pages, :, read.offsets]  # [R, M * G, H_kv, d]
+    v = cache.v[read.pages, :, read.offsets]
+    slots = torch.where(read.in_v[:, :, None, None], v, k)
+    rows, _, heads, head_size = slots.shape
+    entries = read.positions.shape[1]
+    grouped = slots.view(rows, entries, -1, heads, head_size).transpose(2, 3)  # [R, M, H_kv, G, d]
+    return grouped.reshape(rows, entries, -1, head_size).permute(0, 2, 1, 3), read.positions
 
 
 # ---- evict phase ----------------------------------------------------------------------------------
@@ -312,7 +403,8 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         query_positions = group.step_token_positions
     elif group.ring_rows is not None and window and cache.ring is not None:  # elastic rows keep their queries
         queries = cache.ring[group.ring_rows].permute(0, 2, 1, 3)  # [R, H_q, W, d]
-        query_positions = dense.latest_queries(plan.ring_positions[group.ring_rows], group.seq_len, window)
+        count = group.query_window if group.query_window is not None else window
+        query_positions = dense.latest_queries(plan.ring_positions[group.ring_rows], group.seq_len, count)
     else:
         queries = step_query.new_zeros(rows, h_q, 0, d)
         query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
@@ -324,6 +416,7 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
         budget=group.budget, budget_max=group.budget_max, max_seq_len=group.max_seq_len,
         kv_replicas=cache.kv_replicas, kv_heads_total=cache.kv_heads_total, window_count=group.window_count,
+        row_options=group.row_options, row_option_bounds=group.row_option_bounds,
         ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
                           block_table=group.block_table, lengths=group.lengths, width=group.width,
                           shard=cache.shard))
@@ -339,18 +432,46 @@ def step_window(group: Group, step_query: Tensor) -> tuple[Tensor, Tensor]:
     return step_query[group.window_tokens].permute(0, 2, 1, 3), group.window_positions
 
 
-def ring_window(cache: LayerCache, group: Group, plan: StepPlan) -> tuple[Tensor, Tensor]:
-    """The rows' windows as they wait in the ring: its queries [R, H_q, W, d] and their positions [R, W],
-    all but each row's latest ``window_count`` emptied (the window is that many latest queries)."""
-    slots = group.window_slots
-    positions = dense.latest_queries(plan.ring_positions[slots], group.seq_len, group.window_count)
-    return cache.ring[slots].permute(0, 2, 1, 3), positions
+def window_queries(cache: LayerCache, group: Group, step_query: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The queries that add to the rows' window mass in this step, and their positions: this step's
+    window queries (accumulated as they arrive) and the ones that waited in lent pages until this read,
+    in one pass (None: none)."""
+    parts = []
+    if group.window_tokens is not None:
+        parts.append(step_window(group, step_query))
+    if group.window_read is not None:
+        parts.append(page_window(cache, group.window_read))
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    # Joined along the entries of [R, M, H_q, d], then viewed as [R, H_q, M, d]: the layout of each part.
+    joined = torch.cat([p[0].permute(0, 2, 1, 3) for p in parts], dim=1)
+    return joined.permute(0, 2, 1, 3), torch.cat([p[1] for p in parts], dim=1)
+
+
+def fuses_window(cache: LayerCache, group: Group) -> bool:
+    """Whether the rows' window mass goes straight into the paged state (``ops.accumulate_window_mass``):
+    a group-summed mass on a rank that holds whole query-head groups. Otherwise (a per-query-head mass, or
+    KV heads replicated over tensor-parallel ranks, whose partial sums are completed first) it is
+    computed, completed and added by ``accumulate_window``."""
+    return not group.policy.head_state_names and cache.kv_replicas == 1
+
+
+def add_window_mass(cache: LayerCache, group: Group, queries: Tensor, query_positions: Tensor) -> None:
+    """The window mass of ``queries`` ([R, H_q, M, d] at ``query_positions`` [R, M]) added into the paged
+    state WINDOW_MASS at the rows' slots: the window pass, its softmax and the update in one operation."""
+    gain = None
+    if group.window_gain is not None:
+        gain = dense.row_gains(group.window_gain, query_positions.shape[0], query_positions.shape[1],
+                               query_positions.device).contiguous()
+    ops.accumulate_window_mass(cache.state[WINDOW_MASS], cache.k, group.block_table, group.lengths,
+                               queries.permute(0, 2, 1, 3).to(cache.k.dtype), query_positions, cache.scale,
+                               positions=cache.positions, width=group.width, gain=gain)
 
 
 def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, queries: Tensor,
                       query_positions: Tensor) -> EvictionInputs:
     """Add the softmax rows of window queries ([R, H_q, M, d] at ``query_positions`` [R, M], -1: none;
-    ``step_window`` or ``ring_window``) over each row's cache to its window-mass states, in the cache
+    ``step_window`` or ``page_window``) over each row's cache to its window-mass states, in the cache
     and in ``inp``; returns the updated inputs."""
     window_inp = inp.evolve(queries=queries, query_positions=query_positions)
     heads = bool(group.policy.head_state_names)
@@ -370,11 +491,16 @@ def evict_layer(cache: LayerCache, plan: StepPlan, step_query: Tensor) -> list[T
     compacted. Returns each group's kept slots [R, H, budget_max] (None where it evicts nothing)."""
     kept: list[Tensor | None] = []
     for group in plan.groups:
+        window = window_queries(cache, group, step_query)
+        if window is not None and fuses_window(cache, group):
+            add_window_mass(cache, group, *window)  # into the paged state, before anything reads it
+            window = None
+            if group.budget is None and not group.window_reset and not group.policy.needs_every_step:
+                kept.append(None)  # a step inside a window, nothing else to do
+                continue
         inp = group_inputs(cache, group, plan, step_query)
-        if group.window_tokens is not None:
-            inp = accumulate_window(cache, group, inp, *step_window(group, step_query))
-        elif group.window_slots is not None and group.window_reset:
-            inp = accumulate_window(cache, group, inp, *ring_window(cache, group, plan))
+        if window is not None:
+            inp = accumulate_window(cache, group, inp, *window)
         result = group.policy.step(inp)
         pages, offsets = group.slot_pages, group.slot_offsets
         windows = window_states(group.policy)

@@ -195,6 +195,26 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
                                         positions, int(width), gain)
 
 
+def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
+                           query_positions: Tensor, scale: float, *, positions: Tensor, width: int,
+                           gain: Tensor | None = None, backend: str | None = None) -> None:
+    """``window_mass`` added into the paged fp32 ``state`` in place: [num_pages, H_kv, bs] (summed over the
+    GQA group) or [num_pages, H_kv, bs, G] (per query head), at each row's slots below its length."""
+    ok = (state.dim() == 3 and queries.dtype == k_cache.dtype and state.dtype == torch.float32
+          and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
+          and k_cache.dim() == 4 and k_cache.shape[3] <= 256 and positions.dtype == torch.int32)
+    chosen = select_backend("window_mass", k_cache.device, backend, cuda_ok=ok)
+    args = (state, k_cache, block_table, lengths, queries, query_positions, scale)
+    kwargs = dict(positions=positions, width=width, gain=gain)
+    if chosen == "torch":
+        paged.accumulate_window_mass(*args, **kwargs)
+    elif chosen == "triton":
+        _triton_module("window_mass").accumulate_window_mass(*args, **kwargs)
+    else:
+        cuda_extension().accumulate_window_mass_(state, k_cache, block_table, lengths, queries, query_positions,
+                                                 float(scale), positions, int(width), gain)
+
+
 def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int,
                    backend: str | None = None) -> Tensor:
     """KeyDiff −k̂ᵀμ of every row's slots: fp32 [R, H_kv, width], -inf padding."""

@@ -119,6 +119,25 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
                              gain=gain, per_query_head=per_query_head)
 
 
+def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
+                           query_positions: Tensor, scale: float, *, positions: Tensor, width: int,
+                           gain: Tensor | None = None) -> None:
+    """``window_mass`` added into the paged per-token ``state`` in place ([num_pages, H, bs], or
+    [num_pages, H, bs, G] per query head) at each row's slots: one scatter that adds, nothing read back.
+    Padding slots add 0 (they may alias a row's real slots: the sum is the same)."""
+    per_query_head = state.dim() == 4
+    mass = window_mass(k_cache, block_table, lengths, queries, query_positions, scale, positions=positions,
+                       width=width, gain=gain, per_query_head=per_query_head)
+    pages, offsets = slot_addresses(block_table, width, k_cache.shape[2])  # [R, N]
+    valid = dense.valid_slots(lengths, width)  # [R, 1, N]
+    heads = torch.arange(state.shape[1], device=state.device).view(1, -1, 1)
+    if per_query_head:  # [R, H, G, N] -> [R, H, N, G]
+        values = mass.masked_fill(~valid.unsqueeze(2), 0.0).permute(0, 1, 3, 2)
+    else:
+        values = mass.masked_fill(~valid, 0.0)
+    state.index_put_((pages.unsqueeze(1), heads, offsets.unsqueeze(1)), values, accumulate=True)
+
+
 def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int) -> Tensor:
     """``dense.keydiff_scores`` of every row: fp32 [R, H, width], -inf on padding."""
     return dense.keydiff_scores(gather_tokens(k_cache, block_table, width), lengths)

@@ -27,8 +27,8 @@ class Reservation:
     states: frozenset[str]  # per-token fp32 states reserved, by name (union of policy.state_names)
     head_states: frozenset[str]  # per-token states with a per-query-head axis (policy.head_state_names)
     max_window: int  # the widest query window any request may use
-    # A query ring of max_window per running request: on an elastic server (mode "elastic"), or with the
-    # server option window_ring (every request's window is then read from it, ``ServerConfig.ring``).
+    # A query ring of max_window per running request, on an elastic server (mode "elastic"): an elastic
+    # request can be compressed at any step, with the latest queries of its window (``ServerConfig.ring``).
     ring: bool
     o_proj: bool = False  # every attention layer's output projection is loaded (a reserved method needs it)
     elastic: bool = False  # the server runs in elastic mode: requests may too (they need its ring and its scheduler)

@@ -9,7 +9,7 @@ server would refuse by name:
 * ``eviction.policy.enum``: "none", every base policy, and every META+BASE pair the meta score accepts
   (the same rule ``vllm_evict.config.build_policy`` applies);
 * ``eviction.config.properties``: the engine options (schedule, slack, seed, mode), the server-only
-  options (max_window, request_policies, window_ring: docs/configuration.md) and every policy option name, typed after its
+  options (max_window, request_policies: docs/configuration.md) and every policy option name, typed after its
   default value. Which option applies to which policy is checked by the server
   at start-up; the schema only refuses names no policy knows and values of the wrong type;
 * ``eviction.allOf``: the smallest budget each policy accepts with its default options (the budget must
@@ -63,8 +63,7 @@ def config_properties() -> dict[str, dict[str, Any]]:
     engine = {"schedule": {"enum": list(SCHEDULES)}, "slack": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
               "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED}, "mode": {"enum": list(MODES)},
               "max_window": {"type": "integer", "minimum": 1, "maximum": MAX_WINDOW},
-              "request_policies": {"type": "array", "items": {"enum": policy_names()[1:]}},
-              "window_ring": {"type": "boolean"}}
+              "request_policies": {"type": "array", "items": {"enum": policy_names()[1:]}}}
     missing = set(ENGINE_OPTIONS) - set(engine) | set(SERVER_OPTIONS) - set(engine)
     if missing:
         raise RuntimeError(f"engine options {sorted(missing)} have no schema here: add them to config_properties()")

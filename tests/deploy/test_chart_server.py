@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
 SOURCES = (profile("cpu"), values_file("server"))
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_EVICT_TEST_SERVER_STARTUP_S", "240"))
-SCHEDULER_LINE = "Using custom scheduler class vllm_evict.engine.scheduler.EvictScheduler"
+SCHEDULER_LINE = "vllm_evict: scheduler vllm_evict.engine.scheduler.EvictScheduler"
 PROMPT = "The grass is green. The sky is blue. " * 12 + "What color is the sky? The sky is"
 
 

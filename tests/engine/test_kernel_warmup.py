@@ -41,13 +41,14 @@ def batch() -> tuple[list, list]:
     return prompts, params
 
 
-# Fixed-mode windows are accumulated as their queries arrive by default, and with window_ring wait in the
-# query ring until they are read: two code paths of evict_step, the same on both runners, and this test
-# takes two minutes a server, so the V1 pass serves with the ring and the V2 pass without.
-@pytest.mark.parametrize("window_ring", [TEST_RUNNER == "v1"])
-def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_factory, window_ring):
-    engine = engine_factory(tiny_llama, {**SERVER, "window_ring": window_ring}, max_num_seqs=32,
-                            max_num_batched_tokens=192, pages=1024)
+# Decode windows wait in lent pages by default, and are accumulated as their queries arrive with lending
+# off (and in prefill): code paths of evict_step that are the same on both runners, and this test takes two
+# minutes a server, so the V1 pass serves with lending and the V2 pass without.
+@pytest.mark.parametrize("lend", [TEST_RUNNER == "v1"])
+def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_factory, monkeypatch, lend):
+    if not lend:
+        monkeypatch.setenv("VLLM_EVICT_WINDOW_PAGES", "0")
+    engine = engine_factory(tiny_llama, SERVER, max_num_seqs=32, max_num_batched_tokens=192, pages=1024)
     runner = engine.runner
     with ops.use_backend("triton"), LaunchRecorder() as warm:
         runner.evict_warm_up()

@@ -81,13 +81,12 @@ def test_eviction_requests_on_a_server_without_eviction_are_refused(tiny_llama, 
     assert len(engine.llm.generate([token_prompt(20)], greedy(2))[0].outputs[0].token_ids) == 2
 
 
-# SnapKV with window_ring: the preempted requests' ring slots are given back and taken afresh on resuming.
-# Its ring (4 sequences x 32 queries, ~4 pages' worth) comes out of the KV memory: 4 more pages of memory
-# give it the same 13-page pool.
-RING_SERVER = {"policy": "snapkv", "budget": 64, "schedule": "chunked", "window_ring": True}
+# SnapKV: decoding requests are lent window pages while the pool has free ones; a preempted request's loan
+# goes back with its pages, and its resumed windows borrow afresh (or accumulate).
+WINDOW_SERVER = {"policy": "snapkv", "budget": 64, "schedule": "chunked"}
 
 
-@pytest.mark.parametrize("server,pages", [({"policy": "keydiff", "budget": 64}, 15), (RING_SERVER, 19)])
+@pytest.mark.parametrize("server,pages", [({"policy": "keydiff", "budget": 64}, 15), (WINDOW_SERVER, 15)])
 def test_preemption_recompute_with_eviction(tiny_llama, engine_factory, server, pages):
     plain = engine_factory(tiny_llama)
     prompt_big = token_prompt(200, 21)
@@ -109,6 +108,7 @@ def test_preemption_recompute_with_eviction(tiny_llama, engine_factory, server, 
         assert max(phys for _, phys in cached[name]) <= 64 + 64  # budget + one chunk, also after resuming
     assert engine.free_pages() == engine.total_pages()
     assert not engine.scheduler.evicted and not engine.scheduler.eviction_configs
+    assert not engine.scheduler.window_pages.lent
 
 
 def test_abort_returns_every_page(tiny_llama, engine_factory):

@@ -1,8 +1,8 @@
 """Eviction's memory is a small, fixed share of the KV cache (issue #19 item 3): at most 3% at
 ``make run``'s settings (measured on the real engine) and, by the worker's own formula, for a
-Llama-3.1-8B-shaped model in bf16 with a 60 GiB pool and 1,024 sequences. A fixed-mode server keeps no
-queries unless started with window_ring (the observation window is accumulated per token), so the share does not depend on the batch
-size or on the pool: per (token, layer, KV head), 4 bytes of position and 4 per reserved state against
+Llama-3.1-8B-shaped model in bf16 with a 60 GiB pool and 1,024 sequences. A fixed-mode server reserves
+no queries (a decode window's queries wait only in free pages of the pool the scheduler lends, and are
+otherwise accumulated per token), so the share does not depend on the batch size or on the pool: per (token, layer, KV head), 4 bytes of position and 4 per reserved state against
 2 x head_size x dtype bytes of K and V."""
 
 from __future__ import annotations
@@ -50,12 +50,11 @@ def test_the_share_follows_the_reserved_states_not_the_batch():
     assert wider == pytest.approx(32 / (512 + 32), rel=1e-6)
 
 
-@pytest.mark.parametrize("option", [{"mode": "elastic"}, {"window_ring": True}])
-def test_a_query_ring_adds_max_window_queries_per_sequence(option):
-    # Elastic requests can be compressed at any step, so they keep their last max_window queries; with
-    # window_ring fixed-mode requests keep them too, until their eviction reads the window.
+def test_a_query_ring_adds_max_window_queries_per_sequence():
+    # Elastic requests can be compressed at any step, so they keep their last max_window queries. (Fixed-mode
+    # requests keep a decode window's queries only in free pages the scheduler lends them: nothing reserved.)
     fixed = share_of(MAKE_RUN, **LLAMA_8B, available=60 * GIB, rows=1024)
-    with_ring = share_of({**MAKE_RUN, **option}, **LLAMA_8B, available=60 * GIB, rows=1024)
+    with_ring = share_of({**MAKE_RUN, "mode": "elastic"}, **LLAMA_8B, available=60 * GIB, rows=1024)
     ring = 1024 * 32 * (32 * 32 * 128 * 2 + 8)  # sequences x max_window x (layers x H_q x d x bf16 + position)
     assert with_ring == pytest.approx(fixed + ring / (60 * GIB) * (1 - fixed), rel=1e-6)
     assert with_ring == pytest.approx(0.1467, abs=1e-4)  # 1.54% + the ring: 8 GiB of the 60

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.engine
 SERVER = {"policy": "snapkv", "budget": 60, "window": 8, "schedule": "chunked", "slack": 8}
 
 
-def test_padding_slots_never_write_into_another_requests_pages(tiny_llama, engine_factory):
+def test_padding_slots_never_write_into_another_requests_pages(tiny_llama, engine_factory, monkeypatch):
+    # Decode windows accumulated (not kept in lent pages): every decode step of the batch is a group.
+    monkeypatch.setenv("VLLM_EVICT_WINDOW_PAGES", "0")
     engine = engine_factory(tiny_llama, SERVER, max_num_seqs=4, max_num_batched_tokens=96, pages=64,
                             max_model_len=512)
     held = engine.scheduler.attention_manager.req_to_blocks

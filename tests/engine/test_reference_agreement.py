@@ -3,6 +3,8 @@ layer and KV head, same greedy tokens, for each schedule (real SmolLM2 weights, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -47,23 +49,29 @@ def test_engine_keeps_what_the_reference_keeps(smollm2_path, engine_factory, spe
                           new_tokens=12)
 
 
-# Server option window_ring: a fixed-mode request's window waits in the query ring and its mass is computed
-# when the window is read, from the window's latest queries; the reference accumulates the mass query by
-# query. Decode evictions included: 40 new tokens at budget 96 and a slack of 16 (< SnapKV's window of 32)
-# evict twice while decoding, each reading the 16 queries since the previous eviction, not the ring's 32.
-@pytest.mark.parametrize("spec,schedule", [("snapkv", "oneshot"), ("caote+snapkv", "chunked"), ("ahakv", "oneshot")])
-def test_window_ring_keeps_what_the_accumulated_window_keeps(smollm2_path, engine_factory, spec, schedule):
+# Decode windows: 40 new tokens at budget 96 and a slack of 16 (< SnapKV's window of 32) evict twice while
+# decoding, each reading the 16 queries since the previous eviction. By default the scheduler lends each
+# request free pages of the KV pool for its decode window's queries and the window's mass is computed from
+# them when it is read (engine/window_pages.py); with lending off (VLLM_EVICT_WINDOW_PAGES=0) it is
+# accumulated query by query, as the reference does. Both keep the reference's tokens.
+@pytest.mark.parametrize("spec,schedule,lend", [("snapkv", "oneshot", True), ("caote+snapkv", "chunked", True),
+                                                ("nacl", "oneshot", True), ("snapkv", "oneshot", False)])
+def test_decode_windows_keep_what_the_reference_keeps(smollm2_path, engine_factory, monkeypatch, spec, schedule,
+                                                      lend):
     if TEST_RUNNER == "v2" and spec != "caote+snapkv":
-        pytest.skip("the V2 pass runs one method with the window ring")
-    agrees_with_reference(smollm2_path, engine_factory, {"policy": spec, "budget": 96, "schedule": schedule,
-                                                         "slack": 16}, new_tokens=40, window_ring=True)
+        pytest.skip("the V2 pass runs one method with lent window pages")
+    if not lend:
+        monkeypatch.setenv("VLLM_EVICT_WINDOW_PAGES", "0")
+    engine = agrees_with_reference(smollm2_path, engine_factory, {"policy": spec, "budget": 96, "schedule": schedule,
+                                                                  "slack": 16}, new_tokens=40)
+    lender = engine.scheduler.window_pages
+    assert (lender.loans > 0) == lend and not lender.lent  # every loan came back with the request
+    assert engine.free_pages() == engine.total_pages()
 
 
-def agrees_with_reference(smollm2_path, engine_factory, eviction: dict, new_tokens: int, **server_options) -> None:
-    engine = engine_factory(str(smollm2_path), {**eviction, **server_options}, max_num_batched_tokens=CHUNK,
+def agrees_with_reference(smollm2_path, engine_factory, eviction: dict, new_tokens: int) -> Any:
+    engine = engine_factory(str(smollm2_path), eviction, max_num_batched_tokens=CHUNK,
                             pages=0, kv_cache_memory_bytes=160 << 20)
-    if server_options.get("window_ring"):
-        assert engine.runner.evict_buffers.ring is not None
     tokenizer = engine.llm.get_tokenizer()
     prompt_ids = tokenizer(PROMPT)["input_ids"][:300]
     output, engine_kept = engine_kept_positions(engine, prompt_ids, greedy(new_tokens))
@@ -78,3 +86,4 @@ def agrees_with_reference(smollm2_path, engine_factory, eviction: dict, new_toke
     mismatched = [layer for layer, (got, want) in enumerate(zip(engine_kept, reference.kept_positions))
                   if not torch.equal(got, want.to(got.dtype))]
     assert not mismatched, f"layers whose kept tokens differ: {mismatched}"
+    return engine

@@ -6,6 +6,7 @@ Counted with a TorchDispatchMode around the real engine's hook and builder (tiny
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -85,10 +86,11 @@ def test_ops_per_layer_do_not_grow_with_the_batch(tiny_llama, engine_factory, sp
         assert sum(layer_16.values()) == 0, f"{spec}: {layer_16}"
 
 
-def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engine_factory):
+def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engine_factory, monkeypatch):
     # Budget 20 + slack 8 - window 16: decode steps that leave more than 12 tokens are in the window of the
-    # eviction at 28 tokens (the prompts have 20), and none reaches 28, so nothing is evicted. Their
-    # queries' attention is added to the window-mass state, batched over the rows; no query is kept.
+    # eviction at 28 tokens (the prompts have 20), and none reaches 28, so nothing is evicted. With window
+    # pages off, their queries' attention is added to the window-mass state, batched over the rows.
+    monkeypatch.setenv("VLLM_EVICT_WINDOW_PAGES", "0")
     config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8}
     engine = engine_factory(tiny_llama, config, max_num_seqs=16, max_num_batched_tokens=512)
     layer_1, step_1 = decode_step_counts(engine, 1)
@@ -96,20 +98,21 @@ def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engin
     assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
     assert layer_16["softmax"] == 1 and layer_16["index_put_"] == 1, f"one window update per layer: {layer_16}"
     assert "index_copy_" not in layer_16, f"a fixed-mode request keeps no queries: {layer_16}"
-    assert engine.runner.evict_buffers.ring is None
+    assert engine.runner.evict_buffers.ring is None and engine.scheduler.window_pages.loans == 0
 
 
-def test_with_a_window_ring_rows_near_an_eviction_only_store_their_queries(tiny_llama, engine_factory):
-    # The same steps on a server with window_ring: each layer stores the batch's queries in the ring (one
-    # index_copy_) and computes nothing; the window's mass is computed once, when the eviction reads it.
-    config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8, "window_ring": True}
+def test_with_window_pages_rows_near_an_eviction_only_store_their_queries(tiny_llama, engine_factory):
+    # The same steps by default: the scheduler lends each request a page of the pool for its window, and
+    # each layer writes the batch's queries there (a gather and a scatter for the slots in K halves, the
+    # same for V halves) and computes nothing; the window's mass is computed once, when the eviction reads it.
+    config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8}
     engine = engine_factory(tiny_llama, config, max_num_seqs=16, max_num_batched_tokens=512)
     layer_1, step_1 = decode_step_counts(engine, 1)
     layer_16, step_16 = decode_step_counts(engine, 16)
     assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
-    assert layer_16 == {"index_copy_": 1}, f"one ring write per layer and nothing else: {layer_16}"
+    assert layer_16 == {"index": 2, "index_put_": 2}, f"two window writes per layer and nothing else: {layer_16}"
     assert not SYNCS & set(step_16), f"a host-device sync on the per-step path: {step_16}"
-    assert engine.runner.evict_buffers.ring is not None
+    assert engine.runner.evict_buffers.ring is None and engine.scheduler.window_pages.loans >= 17
 
 
 def test_the_step_timer_runs_only_on_layers_with_work(tiny_llama, engine_factory):
@@ -141,3 +144,49 @@ def test_the_step_timer_runs_only_on_layers_with_work(tiny_llama, engine_factory
     layers = len(runner.evict_layers)
     assert work.count(False) >= 4, f"expected decode steps without work: {work}"
     assert all(timed) and len(timed) == layers * work.count(True), (timed, work)
+
+
+def prompt_end_step_counts(engine: Any, params: list) -> tuple[Counter, Counter, int]:
+    """Ops of one hooked layer and of the builder on the step that completes every prompt of the batch (all
+    of them evict there), and the number of groups that step scored."""
+    runner = engine.runner
+    seen: list[tuple[int, Counter, Counter, int]] = []
+    original_layer, original_build = runner._evict_layer, runner.evict_builder.build
+    current: dict[str, Any] = {}
+
+    def counted_build(runner_, plan, num_scheduled):
+        with OpCounter() as counter:
+            built = original_build(runner_, plan, num_scheduled)
+        configs = len(set(runner.evict_rows.policy[runner.evict_view.rows].tolist()))
+        current.update(tokens=built.num_tokens, build=counter.ops, groups=len(built.plan.groups), layers=[],
+                       configs=configs)
+        seen.append(current.copy())
+        return built
+
+    def counted_layer(index, layer, step, *args):
+        with OpCounter() as counter:
+            original_layer(index, layer, step, *args)
+        seen[-1]["layers"].append(counter.ops)
+
+    runner._evict_layer, runner.evict_builder.build = counted_layer, counted_build
+    try:
+        engine.llm.generate([token_prompt(100, offset=i) for i in range(len(params))], params)
+    finally:
+        runner._evict_layer, runner.evict_builder.build = original_layer, original_build
+    (step,) = [s for s in seen if s["tokens"] == 100 * len(params)]  # the whole batch's prompts in one step
+    assert all(c == step["layers"][0] for c in step["layers"]), "per-layer ops differ between layers"
+    return step["layers"][0], step["build"], step["groups"], step["configs"]
+
+
+def test_requests_of_one_method_share_a_group_whatever_their_numbers(tiny_llama, engine_factory):
+    """32 requests with 32 seeds, 32 budgets and 4 windows are scored in one call per layer, with the same
+    operations as 32 identical requests: the work per layer follows the methods in use, not the configs."""
+    server = {"policy": "snapkv", "budget": 64, "window": 16}
+    engine = engine_factory(tiny_llama, server, max_num_seqs=32, max_num_batched_tokens=3200, pages=2048)
+    same = prompt_end_step_counts(engine, [greedy(2)] * 32)
+    varied = prompt_end_step_counts(engine, [greedy(2, kv_budget=40 + i, kv_eviction_config=json.dumps(
+        {"seed": 1000 + i, "window": (8, 12, 16, 20)[i % 4]})) for i in range(32)])
+    assert (same[3], varied[3]) == (1, 32)  # one config, then 32 configs in the step
+    assert same[2] == varied[2] == 1, (same[2], varied[2])
+    assert varied[0] == same[0], f"ops per layer differ: {varied[0]} vs {same[0]}"
+    assert varied[1] == same[1], f"ops of the step builder differ: {varied[1]} vs {same[1]}"

@@ -75,6 +75,8 @@ class AuditedRunner:
         self._patch(rows, "on_new_policy", self._paused(rows.on_new_policy))
         self._patch(runner_module, "compress_before_forward",
                     self._audited("compress", runner_module.compress_before_forward))
+        self._patch(runner_module, "return_window_pages",
+                    self._audited("window_returns", runner_module.return_window_pages))
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._restore.append((owner, name, getattr(owner, name)))
@@ -136,11 +138,13 @@ def run_audited(engine: Any, batch: dict[str, tuple[dict, dict]]) -> tuple[Audit
     return audited, ids
 
 
-# window_ring: fixed-mode windows wait in the query ring and their mass is computed when they are read.
-@pytest.mark.parametrize("window_ring", [False, True])
-def test_no_step_of_any_policy_synchronises(tiny_llama, engine_factory, window_ring):
-    engine = engine_factory(tiny_llama, {**SERVER, "window_ring": window_ring}, max_num_seqs=64,
-                            max_num_batched_tokens=256, pages=2048)
+# Decode windows wait in pages the scheduler lends (the default, with memory to spare), or are accumulated
+# query by query (lending off).
+@pytest.mark.parametrize("lend", [True, False])
+def test_no_step_of_any_policy_synchronises(tiny_llama, engine_factory, monkeypatch, lend):
+    if not lend:
+        monkeypatch.setenv("VLLM_EVICT_WINDOW_PAGES", "0")
+    engine = engine_factory(tiny_llama, SERVER, max_num_seqs=64, max_num_batched_tokens=256, pages=2048)
     batch = requests()
     audited, ids = run_audited(engine, batch)
     violations = sorted({str(v) for v in audited.audit.violations})
@@ -157,6 +161,7 @@ def test_no_step_of_any_policy_synchronises(tiny_llama, engine_factory, window_r
         assert want <= seen, f"{name}: steps of kinds {sorted(want - seen)} never ran"
     assert audited.calls["hook"] and audited.calls["build"] and audited.calls["compactions"] and audited.calls["rows"]
     assert audited.audit.ops_seen > 1000, "the audit saw (almost) no tensor operation"
+    assert (engine.scheduler.window_pages.loans > 0) == lend
 
 
 def test_elastic_compressions_do_not_synchronise(tiny_llama, engine_factory):

@@ -142,3 +142,37 @@ def test_window_mass_launcher_dispatches_no_sync(device):
     assert not set(log.ops) & set(FORBIDDEN_OPS), log.ops
     if device.type == "cuda":
         assert log.ops == {"aten.empty": 2}, log.ops
+
+
+@pytest.mark.parametrize("group,dtype,layout,per_query_head,gain", [
+    (1, torch.float32, "nhd", False, False), (3, torch.bfloat16, "cpu", False, True),
+    (7, torch.float16, "hnd", False, False), (3, torch.float32, "cpu", True, True)])
+def test_accumulate_window_mass_adds_into_the_paged_state(device, backend, group, dtype, layout, per_query_head,
+                                                          gain):
+    """The fused update (the engine's window mass, accumulated): the state at every row's slots grows by
+    exactly ``window_mass``, and no other slot of the state changes (padding included)."""
+    if backend == "cuda" and per_query_head:
+        pytest.skip("the CUDA kernel sums over the group (ops falls back to Triton per query head)")
+    case = _case(device, dtype, group, 64, layout=layout, seed=group + 20, gain=gain)
+    k = case["k_cache"]
+    shape = (*k.shape[:3], group) if per_query_head else k.shape[:3]
+    g = torch.Generator().manual_seed(5)
+    before = (torch.rand(shape, generator=g) * 3).to(device)
+    state = before.clone()
+    ops.accumulate_window_mass(state, **case, backend=backend)
+    mass = paged.window_mass(**case, per_query_head=per_query_head)  # [R, H, (G,) width]
+    want = before.clone()
+    lengths = case["lengths"].tolist()
+    for r, n in enumerate(lengths):
+        for slot in range(n):
+            page = int(case["block_table"][r, slot // PAGE])
+            add = mass[r, :, :, slot] if per_query_head else mass[r, :, slot]
+            want[page, :, slot % PAGE] += add.to(want.device)
+    tol = TOL[dtype]
+    torch.testing.assert_close(state, want, rtol=tol, atol=tol * 1e-2)
+    assert not torch.equal(state, before)
+    touched = torch.zeros(shape[:1], dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        for slot in range(n):
+            touched[int(case["block_table"][r, slot // PAGE])] = True
+    assert torch.equal(state[~touched.to(device)], before[~touched.to(device)]), "a page no row holds changed"

@@ -163,3 +163,39 @@ def test_draws_are_the_same_on_gpu(draws):
                            ("keys", "values", "positions", "lengths", "queries", "query_positions", "seq_len",
                             "num_new", "seed")})
     assert torch.equal(draws(cuda).cpu(), draws(batch))
+
+
+# ---- rows with their own options ------------------------------------------------------------------------
+# Per row of ROWS, a value of every numeric option (within each row's budget: 20, 9, 33, 29).
+ROW_OPTIONS = {"window": [4, 2, 6, 3], "kernel": [7, 1, 3, 5], "sinks": [0, 2, 1, 3], "recent": [2, 1, 5, 3],
+               "value_kernel": [5, 1, 7, 3], "proxy": [4, 2, 6, 3], "random_ratio": [7 / 19, 0.0, 0.5, 0.25],
+               "temperature": [1.0, 0.5, 2.0, 1.5], "eps": [1e-6, 0.3, 0.01, 0.9], "alpha": [0.5, 0.25, 0.9, 1.0],
+               "epsilon": [1e-4, 0.0, 0.5, 0.01]}
+
+
+@pytest.mark.parametrize("phase", [Phase.PROMPT_END, Phase.DECODE])
+@pytest.mark.parametrize("spec", SPECS)
+def test_rows_with_their_own_options_equal_rows_alone(spec, phase):
+    """One call over rows whose numeric options all differ (``EvictionInputs.row_options``: the engine
+    batches the requests of a method whatever their options) keeps, per row, exactly what the row's own
+    policy keeps alone."""
+    from vllm_evict import EvictionConfig
+
+    names = build(spec, min(BUDGETS)).row_option_names()
+    policies = [EvictionConfig.from_spec(spec, BUDGETS[r], **{n: ROW_OPTIONS[n][r] for n in names}).build_policy()
+                for r in range(len(ROWS))]
+    first = row_inputs(policies[0], phase, 0)
+    rows = [first] + [row_inputs(policies[r], phase, r, first.o_proj) for r in range(1, len(ROWS))]
+    batch = stack_rows(rows, junk_seed=3, roll=True)
+    batch = batch.evolve(
+        row_options={n: torch.tensor(ROW_OPTIONS[n], dtype=torch.float64 if isinstance(ROW_OPTIONS[n][0], float)
+                                     else torch.int64) for n in names},
+        row_option_bounds={n: (min(ROW_OPTIONS[n]), max(ROW_OPTIONS[n])) for n in names})
+    together = policies[0].step(with_budget(batch, BUDGETS))
+    check_keep_layout(together.keep, torch.tensor(BUDGETS), batch.lengths, batch.width)
+    for r, (policy, alone_inp) in enumerate(zip(policies, rows)):
+        alone = policy.step(with_budget(alone_inp, BUDGETS[r]))
+        assert torch.equal(together.keep[r, :, : BUDGETS[r]], alone.keep[0]), f"{spec} row {r}: kept slots"
+        n = int(alone_inp.lengths[0])
+        for name in alone.state:
+            torch.testing.assert_close(together.state[name][r, :, :n], alone.state[name][0], rtol=1e-6, atol=1e-6)

@@ -116,7 +116,7 @@ def test_dp2_engines_each_evict_like_one_engine(dp_server, tp_outcomes):
         assert choice["logprobs"]["token_logprobs"] == pytest.approx(reference[spec].logprobs, abs=1e-4), spec
         assert choice["logprobs"]["tokens"] == [f"token_id:{token}" for token in reference[spec].tokens], spec
     text = log.read_text(errors="replace")
-    assert text.count("Using custom scheduler class vllm_evict.engine.scheduler.EvictScheduler") == 2, \
+    assert text.count("vllm_evict: scheduler vllm_evict.engine.scheduler.EvictScheduler") == 2, \
         "each DP engine core must run its own EvictScheduler"
     with httpx.Client(trust_env=False, timeout=30.0) as client:
         metrics = client.get(f"{url}/metrics").text

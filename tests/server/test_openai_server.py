@@ -169,7 +169,7 @@ def expected_error(xargs: dict[str, Any]) -> str:
 # ---- start-up ------------------------------------------------------------------------------------
 def test_server_runs_the_evict_scheduler(server: Server, client: Any) -> None:
     log = server.log_text()
-    assert "Using custom scheduler class vllm_evict.engine.scheduler.EvictScheduler" in log, server.log_tail()
+    assert "vllm_evict: scheduler vllm_evict.engine.scheduler.EvictScheduler" in log, server.log_tail()
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
 

@@ -68,11 +68,12 @@ int scalar_kind(const torch::Tensor& t) {
   return -1;
 }
 
-// fp32 [R, H_kv, width]: the window mass of every row summed over the GQA group. The arguments are
-// those of paged.window_mass, in its order (per_query_head aside: not supported here).
-torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torch::Tensor lengths,
-                          torch::Tensor queries, torch::Tensor query_positions, double scale, torch::Tensor positions,
-                          int64_t width, c10::optional<torch::Tensor> gain) {
+// The kernels' view of paged.window_mass's arguments (checked; nothing converted or copied). `g` keeps a
+// gain converted to fp32 alive until the launches are queued.
+vllm_evict::WindowArgs window_args(const torch::Tensor& k_cache, const torch::Tensor& block_table,
+                                   const torch::Tensor& lengths, const torch::Tensor& queries,
+                                   const torch::Tensor& query_positions, double scale, const torch::Tensor& positions,
+                                   int64_t width, const c10::optional<torch::Tensor>& gain, torch::Tensor& g) {
   TORCH_CHECK(k_cache.is_cuda() && k_cache.dim() == 4, "k_cache must be a CUDA [num_pages, H_kv, page_size, d] view");
   TORCH_CHECK(k_cache.size(3) <= 256, "window mass supports head sizes up to 256, got ", k_cache.size(3));
   TORCH_CHECK(queries.scalar_type() == k_cache.scalar_type(), "queries (", queries.scalar_type(),
@@ -91,11 +92,8 @@ torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torc
               positions.sizes());
   TORCH_CHECK(width >= 0, "width must be >= 0, got ", width);
   check_table(block_table, rows);
-  const c10::cuda::CUDAGuard guard(k_cache.device());
   const auto dev = k_cache.device();
   TORCH_CHECK(queries.device() == dev && positions.device() == dev, "queries and positions must be on ", dev);
-  auto f32 = torch::TensorOptions().device(dev).dtype(torch::kFloat32);
-  if (rows == 0 || w == 0 || width == 0) return torch::zeros({rows, h_kv, width}, f32);  // no key or no query
   vllm_evict::WindowArgs a{};
   a.k = k_cache.data_ptr();
   a.kind = scalar_kind(k_cache);
@@ -109,7 +107,6 @@ torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torc
   a.q_s_r = queries.stride(0); a.q_s_w = queries.stride(1); a.q_s_h = queries.stride(2); a.q_s_d = queries.stride(3);
   a.query_pos = index_of(query_positions, "query_positions", dev);
   a.qp_s_r = query_positions.stride(0); a.qp_s_w = query_positions.stride(1);
-  torch::Tensor g;  // keeps a converted gain alive until the launches are queued
   if (gain.has_value()) {
     TORCH_CHECK(gain->dim() == 2 && gain->size(0) == rows && gain->size(1) == w, "gain must be None or [R, W] = [",
                 rows, ", ", w, "], got ", gain->sizes());
@@ -121,12 +118,46 @@ torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torc
   a.p_blk = positions.stride(0); a.p_head = positions.stride(1); a.p_tok = positions.stride(2);
   a.scale = static_cast<float>(scale);
   a.rows = rows; a.h_kv = h_kv; a.group = h_q / h_kv; a.w = w; a.width = width;
-  auto out = torch::empty({rows, h_kv, width}, f32);  // every element is written by the kernels
+  return a;
+}
+
+// fp32 [R, H_kv, width]: the window mass of every row summed over the GQA group. The arguments are
+// those of paged.window_mass, in its order (per_query_head aside: not supported here).
+torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torch::Tensor lengths,
+                          torch::Tensor queries, torch::Tensor query_positions, double scale, torch::Tensor positions,
+                          int64_t width, c10::optional<torch::Tensor> gain) {
+  torch::Tensor g;
+  const auto a = window_args(k_cache, block_table, lengths, queries, query_positions, scale, positions, width, gain, g);
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  auto f32 = torch::TensorOptions().device(k_cache.device()).dtype(torch::kFloat32);
+  if (a.rows == 0 || a.w == 0 || width == 0) return torch::zeros({a.rows, a.h_kv, width}, f32);  // no key or no query
+  auto out = torch::empty({a.rows, a.h_kv, width}, f32);  // every element is written by the kernels
   auto scratch = torch::empty({vllm_evict::window_scratch_floats(a)}, f32);
   check_cuda(vllm_evict::launch_window_mass(a, scratch.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
                                             out.stride(1), c10::cuda::getCurrentCUDAStream().stream()),
              "window mass");
   return out;
+}
+
+// paged.accumulate_window_mass for a group-summed state: the window mass added into `state`
+// (fp32 [num_pages, H_kv, page_size], any strides) at every row's slots, in place.
+void accumulate_window_mass_(torch::Tensor state, torch::Tensor k_cache, torch::Tensor block_table,
+                             torch::Tensor lengths, torch::Tensor queries, torch::Tensor query_positions, double scale,
+                             torch::Tensor positions, int64_t width, c10::optional<torch::Tensor> gain) {
+  torch::Tensor g;
+  const auto a = window_args(k_cache, block_table, lengths, queries, query_positions, scale, positions, width, gain, g);
+  TORCH_CHECK(state.scalar_type() == torch::kFloat32 && state.dim() == 3 && state.size(0) == k_cache.size(0) &&
+              state.size(1) == k_cache.size(1) && state.size(2) == k_cache.size(2) &&
+              state.device() == k_cache.device(), "state must be fp32 [num_pages, H_kv, page_size] on ",
+              k_cache.device(), ", got ", state.scalar_type(), " ", state.sizes());
+  if (a.rows == 0 || a.w == 0 || width == 0) return;
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  auto scratch = torch::empty({vllm_evict::window_scratch_floats(a)},
+                              torch::TensorOptions().device(k_cache.device()).dtype(torch::kFloat32));
+  check_cuda(vllm_evict::launch_window_mass_into(a, scratch.data_ptr<float>(), state.data_ptr<float>(), state.stride(0),
+                                                 state.stride(1), state.stride(2),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
+             "window mass (accumulated)");
 }
 
 }  // namespace
@@ -137,5 +168,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache"), py::arg("block_table"), py::arg("keep"), py::arg("counts"));
   m.def("window_mass", &window_mass, "observation-window attention mass summed over the GQA group "
         "(paged.window_mass)", py::arg("k_cache"), py::arg("block_table"), py::arg("lengths"), py::arg("queries"),
+        py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"));
+  m.def("accumulate_window_mass_", &accumulate_window_mass_, "observation-window attention mass summed over the "
+        "GQA group, added into a paged state in place (paged.accumulate_window_mass)", py::arg("state"),
+        py::arg("k_cache"), py::arg("block_table"), py::arg("lengths"), py::arg("queries"),
         py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"));
 }

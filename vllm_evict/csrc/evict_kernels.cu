@@ -225,17 +225,27 @@ __global__ void window_lse_kernel(WindowArgs a, const float* __restrict__ part_m
   lse[idx] = m + log2f(l);
 }
 
+// Where pass 3 puts its sums: a dense out [R, H_kv, width] (every element written, 0 on padding), or,
+// when `state` is set, added into a paged fp32 state [num_pages, H_kv, page_size] at the row's slots
+// below its length (each slot has one writer: no atomics; padding is not touched).
+struct WindowOut {
+  float* out;
+  int64_t out_s_r, out_s_h;
+  float* state;
+  int64_t st_blk, st_head, st_tok;
+};
+
 template <typename T>
-__global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ lse, float* __restrict__ out,
-                                      int64_t out_s_r, int64_t out_s_h) {
+__global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ lse, WindowOut o) {
   extern __shared__ float smem[];
   __shared__ int64_t kpos[kWindowTile];
   __shared__ float red[kWarps][kWindowTile];
   const int64_t r = blockIdx.x, h = blockIdx.y, tile = blockIdx.z;
   const int64_t length = row_length(a, r);
   const int64_t n0 = tile * kWindowTile;
-  float* out_row = out + r * out_s_r + h * out_s_h;
+  float* out_row = o.state != nullptr ? nullptr : o.out + r * o.out_s_r + h * o.out_s_h;
   if (n0 >= length) {  // a tile of padding: the zeros the result was not filled with
+    if (out_row == nullptr) return;
     for (int64_t key = threadIdx.x; key < kWindowTile; key += blockDim.x) {
       if (n0 + key < a.width) out_row[n0 + key] = 0.f;
     }
@@ -266,7 +276,12 @@ __global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ ls
   for (int key = threadIdx.x; key < kWindowTile; key += blockDim.x) {
     float total = 0.f;
     for (int wi = 0; wi < kWarps; ++wi) total += red[wi][key];
-    if (n0 + key < a.width) out_row[n0 + key] = total;  // 0 on padding slots (kpos: never visible)
+    if (out_row != nullptr) {
+      if (n0 + key < a.width) out_row[n0 + key] = total;  // 0 on padding slots (kpos: never visible)
+    } else if (n0 + key < length) {
+      o.state[slot_offset(a.block_table, r * a.bt_s_r, a.bt_s_p, n0 + key, a.page_size, o.st_blk, o.st_tok) +
+              h * o.st_head] += total;
+    }
   }
 }
 
@@ -283,8 +298,7 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
 }
 
 template <typename T>
-cudaError_t window_mass_typed(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
-                              cudaStream_t stream) {
+cudaError_t window_mass_typed(const WindowArgs& a, float* scratch, const WindowOut& o, cudaStream_t stream) {
   const size_t smem = window_smem(a);
   cudaError_t err = allow_smem(window_partials_kernel<T>, smem);
   if (err == cudaSuccess) err = allow_smem(window_colsums_kernel<T>, smem);
@@ -302,7 +316,7 @@ cudaError_t window_mass_typed(const WindowArgs& a, float* scratch, float* out, i
   window_lse_kernel<<<lse_blocks, kLseThreads, 0, stream>>>(a, part_m, part_l, lse);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  window_colsums_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, lse, out, out_s_r, out_s_h);
+  window_colsums_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, lse, o);
   return cudaGetLastError();
 }
 
@@ -324,15 +338,26 @@ int64_t window_scratch_floats(const WindowArgs& a) {
   return a.rows * a.w * a.h_kv * a.group * (2 * n_tiles_of(a) + 1);
 }
 
-int launch_window_mass(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
-                       void* stream) {
+namespace {
+int window_mass_any(const WindowArgs& a, float* scratch, const WindowOut& o, void* stream) {
   auto st = static_cast<cudaStream_t>(stream);
   switch (a.kind) {
-    case kFloat32: return window_mass_typed<float>(a, scratch, out, out_s_r, out_s_h, st);
-    case kFloat16: return window_mass_typed<__half>(a, scratch, out, out_s_r, out_s_h, st);
-    case kBFloat16: return window_mass_typed<__nv_bfloat16>(a, scratch, out, out_s_r, out_s_h, st);
+    case kFloat32: return window_mass_typed<float>(a, scratch, o, st);
+    case kFloat16: return window_mass_typed<__half>(a, scratch, o, st);
+    case kBFloat16: return window_mass_typed<__nv_bfloat16>(a, scratch, o, st);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
+}
+}  // namespace
+
+int launch_window_mass(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
+                       void* stream) {
+  return window_mass_any(a, scratch, WindowOut{out, out_s_r, out_s_h, nullptr, 0, 0, 0}, stream);
+}
+
+int launch_window_mass_into(const WindowArgs& a, float* scratch, float* state, int64_t st_blk, int64_t st_head,
+                            int64_t st_tok, void* stream) {
+  return window_mass_any(a, scratch, WindowOut{nullptr, 0, 0, state, st_blk, st_head, st_tok}, stream);
 }
 
 }  // namespace vllm_evict

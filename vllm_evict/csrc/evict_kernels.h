@@ -73,4 +73,10 @@ int64_t window_scratch_floats(const WindowArgs& a);
 int launch_window_mass(const WindowArgs& a, float* scratch, float* out, int64_t out_s_r, int64_t out_s_h,
                        void* stream);
 
+// The same three passes with pass 3 adding its sums into a paged fp32 state [num_pages, H_kv, page_size]
+// (strides st_blk, st_head, st_tok) at each row's slots below its length, nothing else written: the
+// engine's accumulated window mass, updated in place.
+int launch_window_mass_into(const WindowArgs& a, float* scratch, float* state, int64_t st_blk, int64_t st_head,
+                            int64_t st_tok, void* stream);
+
 }  // namespace vllm_evict

@@ -7,11 +7,11 @@ before vLLM sizes its pool (``bytes_per_token`` / ``ring_bytes``):
 - ``states[name]`` fp32 [L, num_pages, H_kv, bs] (a per-query-head state: [L, num_pages, H_kv, bs, G]):
   per-token policy state (the accumulated observation-window mass, H2O's accumulated attention,
   CriticalKV's projected value norms, ...), paged exactly like K and V;
-- on an elastic server, or one started with ``window_ring``, ``ring`` [L, rows, W, H_q, d] (model
-  dtype): the last W queries of every running request, one slot each (engine/rows.py hands them out),
-  since an elastic request can be compressed at any step, and a fixed-mode request's window waits there
-  until the eviction reads it; and ``ring_positions`` int64 [rows, W] (-1: empty). Without a ring,
-  fixed-mode requests keep no queries: their window is accumulated into a state as the queries arrive
+- on an elastic server, ``ring`` [L, rows, W, H_q, d] (model dtype): the last W queries of every running
+  request, one slot each (engine/rows.py hands them out), since an elastic request can be compressed at
+  any step; and ``ring_positions`` int64 [rows, W] (-1: empty). Fixed-mode requests keep no queries here:
+  a decode window's queries wait in pages of the KV pool the scheduler lends while it has them free
+  (engine/window_pages.py), and otherwise the window is accumulated into a state as its queries arrive
   (evict_step.py).
 
 One tensor across layers, so that what is the same for every layer (a new token's position, a state
@@ -123,7 +123,7 @@ def kv_share(available: int, *, kv_per_token: int, ours_per_token: int, fixed: i
 def eviction_bytes(*, layers: int, kv_heads: int, query_heads: int, head_size: int, element: int, layout: Layout,
                    pool_tokens: int, rows: int) -> int:
     """What eviction holds next to a KV pool of ``pool_tokens`` tokens served with ``rows`` running
-    requests at most: per token its positions and states, and the query ring (elastic servers, window_ring)."""
+    requests at most: per token its positions and states, and the query ring (elastic servers)."""
     group = max(query_heads // max(kv_heads, 1), 1)
     return (pool_tokens * bytes_per_token(layers, kv_heads, group, layout)
             + ring_bytes(layers, rows, layout.ring_window, query_heads, head_size, element))
@@ -132,7 +132,7 @@ def eviction_bytes(*, layers: int, kv_heads: int, query_heads: int, head_size: i
 def layout_for(server: Mapping[str, Any] | None) -> Layout:
     """What the buffers of a server with eviction settings ``server`` (additional_config["kv_eviction"])
     hold: what its reservation (vllm_evict/reservation.py) says, i.e. the states of its method and of
-    its ``request_policies``, and on an elastic server (or with ``window_ring``) a query ring ``max_window``
+    its ``request_policies``, and on an elastic server a query ring ``max_window``
     wide."""
     from vllm_evict.request_settings import server_settings
 

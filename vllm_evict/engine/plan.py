@@ -23,3 +23,8 @@ class EvictionPlan:
     compress: dict[str, int] = field(default_factory=dict)
     compress_cached: dict[str, int] = field(default_factory=dict)
     compress_pages: dict[str, list[int]] = field(default_factory=dict)
+    # Window pages (engine/window_lender.py): pages lent in this step to requests inside a decode window,
+    # request id -> page ids; and the requests whose loan ended in this step (the workers first add the
+    # mass of any window queries the pages hold to the request's window state, before the forward).
+    window_pages: dict[str, list[int]] = field(default_factory=dict)
+    window_returned: list[str] = field(default_factory=list)

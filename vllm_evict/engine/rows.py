@@ -14,13 +14,17 @@ That is the V1 runner. Model Runner V2 keeps each request in a fixed slot of its
 arrival to finish, so there the rows are those slots, filled and emptied by engine/runner_v2.py's
 hooks on ``add_requests`` / ``_remove_request``; ``install_row_hooks`` and parking are V1's only.
 
-Each request also owns a slot of the query ring (engine/buffers.py) from its first step to its end
-(finish or preemption), so its recent queries never move, whatever happens to its row.
+Each request also owns a slot from its first step to its end (finish or preemption): its slot of the
+query ring of elastic servers (engine/buffers.py), and the pages the scheduler lends it for its decode
+window's queries (engine/window_pages.py), so neither moves, whatever happens to its row.
 
 A request's eviction config is the canonical form the scheduler accepted (``vllm_evict.request_settings``):
 the worker never parses a request's JSON. The policy table holds one entry per distinct config of the
 requests held here, and forgets an entry when its last request ends, so its size is bounded by the
-requests the worker holds, however many distinct configs (seeds, budgets) clients send.
+requests the worker holds, however many distinct configs (seeds, budgets) clients send. Entries that
+differ only in numbers (seeds, budgets, windows, sinks, kernels, ratios, ...) share a *group*: a step
+scores their rows in one call, each row with its own numbers (``PolicyTable.group``), so the work per
+layer follows the methods in use, not the configs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from vllm_evict.config import EvictionConfig
+from vllm_evict.engine.window_pages import NO_PAGE
 from vllm_evict.policies.base import Policy
 from vllm_evict.request_settings import config_of_extra_args, server_settings
 
@@ -51,6 +56,12 @@ class PolicyTable:
         self.version = 0
         self._index: dict[str, int] = {}
         self._free: list[int] = []
+        # Per entry: its group (the entries a step scores together), its seed, and its numeric options
+        # and query window as float64 (exact: they are integers below 2^31 or floats).
+        self.group = np.zeros(0, dtype=np.int64)
+        self.seed = np.zeros(0, dtype=np.int64)
+        self.numbers: dict[str, np.ndarray] = {}
+        self._groups: dict[tuple, int] = {}  # group key -> id (a fixed set: methods x choice options)
 
     def acquire(self, config: EvictionConfig) -> tuple[int, bool]:
         """The index of ``config``, counted as one more user; True when the entry is new."""
@@ -67,10 +78,33 @@ class PolicyTable:
                 self.configs.append(config)
                 self.policies.append(policy)
                 self.users.append(0)
+                self._grow(index + 1)
+            self._describe(index, config, policy)
             self._index[key] = index
             self.version += 1
         self.users[index] += 1
         return index, new
+
+    def _grow(self, size: int) -> None:
+        if size <= len(self.group):
+            return
+        size = max(size, 2 * len(self.group))
+        self.group = np.resize(self.group, size)
+        self.seed = np.resize(self.seed, size)
+        self.numbers = {name: np.resize(values, size) for name, values in self.numbers.items()}
+
+    def _describe(self, index: int, config: EvictionConfig, policy: Policy) -> None:
+        """Entry ``index``'s group and numbers (``group_key`` says which configs share a group)."""
+        key = group_key(config, policy)
+        self.group[index] = self._groups.setdefault(key, len(self._groups))
+        self.seed[index] = config.seed
+        options = policy.all_options()
+        numbers = {name: options[name] for name in policy.row_option_names() if options[name] is not None}
+        numbers["query_window"] = policy.query_window or 0
+        for name, value in numbers.items():
+            if name not in self.numbers:
+                self.numbers[name] = np.zeros(len(self.group), dtype=np.float64)
+            self.numbers[name][index] = value
 
     def release(self, index: int) -> None:
         """One user of ``index`` is gone; the entry is forgotten with its last user."""
@@ -89,6 +123,17 @@ class PolicyTable:
 
     def __len__(self) -> int:
         return len(self.configs)
+
+
+def group_key(config: EvictionConfig, policy: Policy) -> tuple:
+    """What the configs one call can score together share: the method, the mode, every option that is
+    not a number (choices such as pooling), and which numeric options are left to their automatic rule
+    (None). Seeds, budgets and the numeric options differ per row."""
+    numeric = set(policy.row_option_names())
+    options = policy.all_options()
+    fixed = tuple(sorted((name, repr(value)) for name, value in options.items()
+                         if name not in numeric or value is None))
+    return config.policy, config.mode, fixed
 
 
 class RowTable:
@@ -117,6 +162,29 @@ class RowTable:
         self.policy_of: dict[str, int] = {}  # request id -> its entry in ``policies`` (released when forgotten)
         self.free_slots = list(range(max_rows - 1, -1, -1))
         self.forgotten: set[str] = set()  # finished or preempted in the step being set up
+        # Per slot: the pages lent for the request's decode window (NO_PAGE: none; sized by
+        # ``size_window_pages``) and the window's queries waiting in them.
+        self.window_pages = np.full((max_rows, 0), NO_PAGE, dtype=np.int64)
+        self.window_queued = np.zeros(max_rows, dtype=np.int64)
+
+    def size_window_pages(self, pages: int) -> None:
+        """The most pages a loan can have (the widest window the server allows)."""
+        self.window_pages = np.full((len(self.window_queued), pages), NO_PAGE, dtype=np.int64)
+
+    def lend_window_pages(self, request_id: str, pages: list[int]) -> None:
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            return  # gone before the loan reached this worker (its pages are back in the pool already)
+        if len(pages) > self.window_pages.shape[1]:
+            raise RuntimeError(f"vllm_evict: request {request_id} was lent {len(pages)} window pages, more than "
+                               f"the {self.window_pages.shape[1]} its server's max_window needs")
+        self.window_pages[slot] = NO_PAGE
+        self.window_pages[slot, :len(pages)] = pages
+        self.window_queued[slot] = 0
+
+    def end_window_loan(self, slot: int) -> None:
+        self.window_pages[slot] = NO_PAGE
+        self.window_queued[slot] = 0
 
     def _values(self, row: int) -> tuple[int, ...]:
         return tuple(int(getattr(self, f)[row]) for f in self.FIELDS)
@@ -146,6 +214,7 @@ class RowTable:
         slot = self.slot_of.get(request_id)
         if slot is None:
             slot = self.slot_of[request_id] = self.free_slots.pop()
+            self.end_window_loan(slot)
             if self.on_new_slot is not None:
                 self.on_new_slot(slot)
         self._set(row, (0, 0, policy, slot, 0))
@@ -163,6 +232,7 @@ class RowTable:
             self.policies.release(policy)
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
+            self.end_window_loan(slot)  # the scheduler has taken its pages back
             self.free_slots.append(slot)
         self.forgotten.add(request_id)
 

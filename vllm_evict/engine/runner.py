@@ -36,9 +36,11 @@ from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.rows import PolicyTable, RowTable
 from vllm_evict.engine.runner_view import RunnerView
-from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward
+from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_before_forward, return_window_pages
 from vllm_evict.engine.step_timer import StepTimer
 from vllm_evict.engine.warmup import WarmupGeometry, warm_up_in_vllm, warm_up_server
+from vllm_evict.engine.window_lender import query_group
+from vllm_evict.engine.window_pages import pages_for_window
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
@@ -136,6 +138,9 @@ class EvictRunnerMixin:
         self.evict_rows = rows = RowTable(geometry.max_rows, self.evict_server, self.evict_policies,
                                           on_new_policy=self._on_new_policy, on_new_slot=buffers.reset_slot)
         self._track_rows(rows)
+        # The widest decode window a request may have (max_window) sizes every loan of window pages.
+        rows.size_window_pages(pages_for_window(self.evict_policies.window_cap or 0,
+                                                query_group(self.model_config), geometry.page_size))  # type: ignore[attr-defined]
         self.evict_builder = StepBuilder(rows, buffers, geometry.device)
         shard = self._kv_shard(geometry.kv_heads)
         self.evict_layers, self.evict_layer_names = [], []
@@ -243,7 +248,7 @@ class EvictRunnerMixin:
 
     def evict_kv_share(self, available: int) -> int:
         """The part of ``available`` KV-cache bytes left for K and V once eviction's buffers are counted:
-        the query ring (elastic servers and window_ring), and per token the position and the reserved states, in
+        the query ring (elastic servers), and per token the position and the reserved states, in
         proportion to the K/V bytes of that token."""
         if self.evict_server is None:
             return available
@@ -274,9 +279,16 @@ class EvictRunnerMixin:
             self.evict_builder.staging.begin_step()
         self._apply_compactions(scheduler_output)
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
-        if plan is not None and plan.compress:
+        if plan is None or self.evict_rows is None:
+            return plan
+        if plan.compress or plan.window_returned:  # a pre-forward pass, before the forward writes anything
             with self.evict_timer:
-                compress_before_forward(self, plan)
+                if plan.compress:
+                    compress_before_forward(self, plan)
+                if plan.window_returned:
+                    return_window_pages(self, plan.window_returned)
+        for request_id, pages in plan.window_pages.items():
+            self.evict_rows.lend_window_pages(request_id, pages)
         return plan
 
     def _apply_compactions(self, scheduler_output: Any) -> None:

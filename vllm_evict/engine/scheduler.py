@@ -47,8 +47,10 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.elastic import ElasticCompressor
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
+from vllm_evict.engine.window_lender import WindowPageLender
 from vllm_evict.engine.stats import EvictionAccounting, EvictSchedulerStats, with_report, worker_report_of
 from vllm_evict.request_settings import RequestRefused, carry, has_settings, resolve, server_settings
+from vllm_evict.policies.base import Phase
 from vllm_evict.schedule import eviction_target, phase_of, request_bound
 from vllm_evict.stats import REFUSED_KEY
 
@@ -80,8 +82,12 @@ class EvictScheduler(Scheduler):
         self.kv_cache_manager.__class__ = _evicting_manager_class(type(self.kv_cache_manager))
         self.kv_cache_manager.eviction = self
         self.elastic = ElasticCompressor(self)
+        self.window_pages = WindowPageLender(self)
         self.accounting = EvictionAccounting(self.log_stats)  # metrics and per-request reports
         self.stats_client = 0  # the front end that got the last SchedulerStats
+        # vLLM's own "Using custom scheduler class" line is not printed (plugin.py picks the class), so this
+        # line is what shows an operator (and the server tests) that the engine core schedules with eviction
+        logger.info("vllm_evict: scheduler %s.%s", type(self).__module__, type(self).__qualname__)
 
     # ---- per-request configuration ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -139,6 +145,7 @@ class EvictScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._free_evicted_pages()
         self.elastic.begin_step()
+        self.window_pages.begin_step()
         output = super().schedule(*args, **kwargs)
         self._forget_gone_requests()
         plan = EvictionPlan()
@@ -154,6 +161,8 @@ class EvictScheduler(Scheduler):
             if config.elastic:  # elastic requests evict only when the pool is short
                 continue
             phase = phase_of(tokens_before, num_new, request.num_prompt_tokens)
+            self.window_pages.scheduled(request_id, config, decode=phase is Phase.DECODE, phys_after=phys_after,
+                                        logical_after=tokens_before + num_new, slack=self.slack_of(config))
             keep = eviction_target(phys_after=phys_after, phase=phase, budget=config.budget,
                                    schedule=config.schedule, slack=self.slack_of(config))
             if keep is not None:
@@ -161,6 +170,7 @@ class EvictScheduler(Scheduler):
                 plan.cached[request_id] = phys_after
                 self.pending_keep[request_id] = keep
                 self.accounting.evicted(request_id, phys_after - keep)
+        self.window_pages.finish_step(plan)
         self.accounting.end_step()
         setattr(output, PLAN_ATTR, plan)
         return output
@@ -181,6 +191,7 @@ class EvictScheduler(Scheduler):
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)
+        self.window_pages.forget(request.request_id)
         # Recompute-preemption drops every page and restarts from token 0.
         self.evicted.pop(request.request_id, None)
         self.pending_keep.pop(request.request_id, None)
@@ -223,6 +234,7 @@ class EvictScheduler(Scheduler):
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         # vLLM puts what this returns in the finished request's EngineCoreOutput.kv_transfer_params.
         report = self.accounting.finish(request.request_id, self.tokens_in_cache(request))
+        self.window_pages.forget(request.request_id)
         kv_transfer_params, *rest = super()._free_request(request, *args, **kwargs)
         return (with_report(kv_transfer_params, report), *rest)
 
@@ -303,6 +315,9 @@ class EvictKVCacheManagerMixin:
         scheduler = self.eviction
         admission = kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None
         result = self._allocate_physical(request, num_new_tokens, *args, **kwargs)
+        if result is None and scheduler.window_pages.lent:  # lent window pages go back before anything else
+            scheduler.window_pages.reclaim()
+            result = self._allocate_physical(request, num_new_tokens, *args, **kwargs)
         lookahead = kwargs.get("num_lookahead_tokens", 0)
         elastic = scheduler.elastic
         if result is None and elastic.any_elastic():

@@ -18,8 +18,12 @@ from vllm_evict.engine.buffers import EvictionBuffers
 from vllm_evict.engine.plan import EvictionPlan
 from vllm_evict.engine.rows import RowTable
 from vllm_evict.engine.runner_view import RunnerView
+from vllm_evict.engine.window_pages import NO_PAGE
+from vllm_evict.engine.window_pages import capacity as window_capacity
+from vllm_evict.engine.window_pages import write_table
 from vllm_evict.evict_step import (
-    Group, Record, StepPlan, WindowStep, build_group, evict_layer, record_step, ring_entries, state_initializers,
+    Group, Record, StepPlan, WindowStep, WindowWrites, accumulate_window, add_window_mass, build_group, evict_layer,
+    fuses_window, group_inputs, page_window, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import window_end
@@ -41,34 +45,44 @@ class Compaction:
 class RowWindows:
     """Per row of a step (see ``StepBuilder._windows``)."""
 
-    recorded: np.ndarray  # this step's queries that join the accumulated window
+    recorded: np.ndarray  # this step's queries that join the window
     count: np.ndarray  # the window's queries after them
     gain: np.ndarray  # the window's logit gain (NaN: none)
     reset: bool | np.ndarray  # the step reads the window
     ring: np.ndarray  # elastic rows: their queries go to the ring, their policy reads them there
-    # fixed-mode rows on a server with a ring (server option window_ring): their window's queries wait
-    # in the ring and its mass is computed when the window is read
-    deferred: np.ndarray
+    # Fixed-mode rows with lent window pages (engine/window_pages.py): their window's queries wait there
+    # and its mass is computed when the window is read; ``lent`` [rows, P] (NO_PAGE: none), ``queued``
+    # the window's queries waiting there after this step's, ``capacity`` the entries the pages hold.
+    lent: np.ndarray
+    queued: np.ndarray
+    capacity: np.ndarray
+    group: int
 
     @property
-    def to_ring(self) -> np.ndarray:
-        """Rows whose queries of this step go to the ring."""
-        return self.ring | (self.deferred & (self.recorded > 0))
+    def deferred(self) -> np.ndarray:
+        return self.lent[:, 0] != NO_PAGE if self.lent.shape[1] else np.zeros(len(self.recorded), dtype=bool)
+
+    @property
+    def to_pages(self) -> np.ndarray:
+        """Rows whose queries of this step go to their lent pages."""
+        return self.deferred & (self.recorded > 0)
 
     @property
     def adds_mass(self) -> np.ndarray:
         """Rows whose window mass grows in this step (their window's queries accumulated as they arrive)."""
         return (self.recorded > 0) & ~self.deferred
 
-    def step(self, rows: np.ndarray, policy: Policy, slots: np.ndarray) -> WindowStep | None:
-        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window); ``slots``: their
-        ring slots."""
+    def step(self, rows: np.ndarray, policy: Policy) -> WindowStep | None:
+        """The ``WindowStep`` of a group's rows (None: they keep no accumulated window)."""
         if not policy.accumulates_window or self.ring[rows[0]]:
             return None
         gain = self.gain[rows]
+        deferred = self.deferred[rows]
         return WindowStep(recorded=self.recorded[rows], count=self.count[rows],
                           gain=None if np.isnan(gain).all() else gain, reset=bool(self.reset[rows[0]]),
-                          slots=slots if self.deferred[rows[0]] else None)
+                          lent=self.lent[rows] if deferred.any() else None,
+                          queued=np.where(deferred, self.queued[rows], 0), capacity=self.capacity[rows],
+                          group=self.group)
 
 
 @dataclass
@@ -83,7 +97,9 @@ class BuiltStep:
     def layer_work(self) -> bool:
         """Whether the per-layer hook has anything to do (queries to record, states to compute, rows to
         look at); most decode steps far from any eviction have none."""
-        return self.plan.record.ring_index is not None or bool(self.initializers) or bool(self.plan.groups)
+        record = self.plan.record
+        return (record.ring_index is not None or record.window_writes is not None or bool(self.initializers)
+                or bool(self.plan.groups))
 
 
 def phase_codes(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray) -> np.ndarray:
@@ -147,7 +163,7 @@ class StepBuilder:
         prompt = view.prompt
         windows = self._windows(table_rows, present, policy_index, computed, scheduled, cached_after, prompt, keep)
 
-        record = self._record(view, num_reqs, num_tokens, computed, scheduled, recording=windows.to_ring)
+        record = self._record(view, num_reqs, num_tokens, computed, scheduled, windows)
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
                         zero_states=zero_states)
         record_step(self.buffers.positions, self.buffers.states, step)
@@ -157,7 +173,10 @@ class StepBuilder:
         rows_by_id: dict[str, int] = {}
         if acting.any():
             phase = phase_codes(computed, scheduled, prompt)
-            key = (policy_index * 3 + phase) * 2 + (keep >= 0)
+            # One group per method (and choice options), phase and whether it evicts: rows differing only in
+            # numbers (seeds, budgets, windows, ...) are scored together, each with its own.
+            group = np.where(policy_index >= 0, self.rows.policies.group[np.maximum(policy_index, 0)], -1)
+            key = (group * 3 + phase) * 2 + (keep >= 0)
             for k in np.unique(key[acting]):
                 rows = np.nonzero(acting & (key == k))[0]
                 step.groups.append(self._group(view, rows, policies[int(policy_index[rows[0]])],
@@ -180,7 +199,6 @@ class StepBuilder:
         recorded = np.zeros(num_reqs, dtype=np.int64)
         reset = np.zeros(num_reqs, dtype=bool)
         ring = np.zeros(num_reqs, dtype=bool)
-        deferred = np.zeros(num_reqs, dtype=bool)
         gain = np.full(num_reqs, np.nan, dtype=np.float64)
         logical_after = computed + scheduled
         for index in present:
@@ -191,7 +209,6 @@ class StepBuilder:
             if config.elastic:  # compressed at any step: its latest queries are kept in the ring
                 ring[rows] = True
                 continue
-            deferred[rows] = bool(self.buffers.window)
             n = len(rows)
             evicting = keep[rows] >= 0
             end = window_end(cached_after=cached_after[rows], scheduled=scheduled[rows],
@@ -207,23 +224,54 @@ class StepBuilder:
             reset[rows] = end.now
         after = count + recorded
         self.rows.window[table_rows] = np.where(reset, 0, after)
-        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring, deferred=deferred)
+        slots = self.rows.slot[table_rows]
+        lent = self.rows.window_pages[slots]
+        deferred = lent[:, 0] != NO_PAGE if lent.shape[1] else np.zeros(num_reqs, dtype=bool)
+        group = self.buffers.geometry.group
+        capacity = window_capacity((lent != NO_PAGE).sum(axis=1), group, self.page_size)
+        queued = self.rows.window_queued[slots] + np.where(deferred, recorded, 0)
+        if (queued > capacity).any():
+            row = int(np.argmax(queued > capacity))
+            raise RuntimeError(f"vllm_evict: a request has {queued[row]} window queries for lent pages that hold "
+                               f"{capacity[row]}: the scheduler lent too few")
+        self.rows.window_queued[slots] = np.where(reset, 0, queued)
+        return RowWindows(recorded=recorded, count=after, gain=gain, reset=reset, ring=ring, lent=lent,
+                          queued=queued, capacity=capacity, group=group)
 
     def _record(self, view: RunnerView, num_reqs: int, num_tokens: int, computed: np.ndarray,
-                scheduled: np.ndarray, recording: np.ndarray) -> Record:
+                scheduled: np.ndarray, windows: RowWindows) -> Record:
         slots = view.slot_mapping(num_tokens)
         ring_index = ring_tokens = None
-        if self.buffers.window and recording.any():
+        staged: list[np.ndarray] = []
+        if self.buffers.window and windows.ring.any():
             token_rows = np.repeat(np.arange(num_reqs), scheduled)
             entries, tokens = ring_entries(token_rows, self.rows.slot[view.rows], view.query_pos(num_tokens),
-                                           scheduled, computed, self.buffers.window, recording)
-            if tokens is None:
-                (ring_index,) = self.staging.to_device(entries)
-            else:
-                ring_index, ring_tokens = self.staging.to_device(entries, tokens)
+                                           scheduled, computed, self.buffers.window, windows.ring)
+            staged = [entries] if tokens is None else [entries, tokens]
+        writes = self._window_writes(view, computed, scheduled, windows) if windows.to_pages.any() else ()
+        copied = self.staging.to_device(*staged, *writes) if staged or writes else []
+        if staged:
+            ring_index = copied[0]
+            ring_tokens = copied[1] if len(staged) == 2 else None
+        window_writes = WindowWrites(*copied[len(staged):]) if writes else None
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=view.positions(num_tokens).to(torch.int32), ring_index=ring_index,
-                      ring_tokens=ring_tokens)
+                      ring_tokens=ring_tokens, window_writes=window_writes)
+
+    def _window_writes(self, view: RunnerView, computed: np.ndarray, scheduled: np.ndarray,
+                       windows: RowWindows) -> tuple[np.ndarray, np.ndarray]:
+        """Where this step's window queries of rows with lent pages go: [4, n] (token, group member, page,
+        offset) for the slots in K halves and in V halves (both always, so that a layer's operations do
+        not depend on where the step's entries fall)."""
+        rows = np.nonzero(windows.to_pages)[0]
+        recorded = windows.recorded[rows]
+        token_rows = np.repeat(rows, recorded)
+        first = scheduled[rows] - recorded  # each row's last ``recorded`` tokens of this step
+        within = np.arange(len(token_rows)) - np.repeat(np.cumsum(recorded) - recorded, recorded)
+        in_row = np.repeat(first, recorded) + within
+        return write_table(windows.lent[token_rows], view.query_start[token_rows] + in_row,
+                           computed[token_rows] + in_row, windows.capacity[token_rows], windows.group,
+                           self.page_size)
 
     def _group(self, view: RunnerView, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
@@ -231,15 +279,30 @@ class StepBuilder:
         pages = -(-int(lengths.max()) // self.page_size)
         table_rows = view.rows[rows]  # ``rows`` are batch rows
         table = view.block_table(table_rows, pages, self.staging.to_device)
-        seed = self.rows.policies.configs[int(self.rows.policy[table_rows[0]])].seed
+        entries = self.rows.policy[table_rows]
         evicting = bool(keep[rows[0]] >= 0)
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],
-                           scheduled=scheduled[rows], seed=np.full(len(rows), seed, dtype=np.int64),
+                           scheduled=scheduled[rows], seed=self.rows.policies.seed[entries],
                            keep=keep[rows] if evicting else None,
                            ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
                            token_starts=view.query_start[rows],
-                           window=windows.step(rows, policy, self.rows.slot[table_rows]),
+                           window=windows.step(rows, policy), row_options=row_options(self.rows.policies, policy, entries),
                            to_device=self.staging.to_device)
+
+
+def row_options(table: Any, policy: Policy, entries: np.ndarray) -> dict[str, np.ndarray]:
+    """The numeric options (and query windows) that differ between the rows of a group whose rows use
+    ``entries`` of the policy table: per row, int64 for an int option, float64 for a float one."""
+    out: dict[str, np.ndarray] = {}
+    options = policy.all_options()
+    for name in (*policy.row_option_names(), "query_window"):
+        numbers = table.numbers.get(name)
+        if numbers is None or (name != "query_window" and options[name] is None):
+            continue
+        values = numbers[entries]
+        if (values != values[0]).any():
+            out[name] = values if isinstance(options.get(name), float) else values.astype(np.int64)
+    return out
 
 
 # ---- elastic mode: compression before the forward ------------------------------------------------
@@ -266,18 +329,21 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
         phase = 2 if logical >= view.prompt_len(request_id) else 0
         victims.append((request_id, row, evicted, cached, policy, slot, keep, phase))
     groups = []
-    for key in sorted({(v[4], v[7]) for v in victims}):
-        members = [v for v in victims if (v[4], v[7]) == key]
+    policies = rows.policies
+    for key in sorted({(int(policies.group[v[4]]), v[7]) for v in victims}):
+        members = [v for v in victims if (int(policies.group[v[4]]), v[7]) == key]
         width = max(-(-v[3] // page) for v in members)
         table = view.page_table([v[0] for v in members], width, staging.to_device)
         column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
-        policy = rows.policies.policies[key[0]]
+        entries = column(4)
+        policy = policies.policies[int(entries[0])]
         groups.append(build_group(
             policy, PHASES[key[1]], table, page,
             lengths=column(3), computed=column(3) + column(2), scheduled=np.zeros(len(members), dtype=np.int64),
-            seed=np.full(len(members), rows.policies.configs[key[0]].seed, dtype=np.int64), keep=column(6),
+            seed=policies.seed[entries], keep=column(6),
             ring_rows=column(5) if runner.evict_buffers.ring is not None else None,
-            token_starts=np.zeros(len(members), dtype=np.int64), to_device=staging.to_device))
+            token_starts=np.zeros(len(members), dtype=np.int64), row_options=row_options(policies, policy, entries),
+            to_device=staging.to_device))
     device = runner.evict_buffers.geometry.device
     nothing = torch.zeros(0, dtype=torch.int64, device=device)
     step = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32), ring_index=None),
@@ -294,3 +360,72 @@ def compress_before_forward(runner: Any, plan: EvictionPlan) -> None:
             rows.parked[request_id] = values
             continue
         rows.evicted[row], rows.cached[row] = values[0], values[1]
+
+
+# ---- window pages given back before the forward ----------------------------------------------------
+def window_read_gains(policies: Any, entries: np.ndarray, cached: np.ndarray, logical: np.ndarray, page: int,
+                      head_size: int) -> np.ndarray | None:
+    """The logit gain each row's window read would use (None: 1): its decode eviction's, at budget + slack."""
+    gains = np.full(len(entries), np.nan)
+    for entry in np.unique(entries):
+        rows = entries == entry
+        config, policy = policies.configs[int(entry)], policies.policies[int(entry)]
+        end = config.budget + config.slack_for(page)
+        gain = policy.window_gain(logical[rows] + end - cached[rows], np.full(int(rows.sum()), config.budget), head_size)
+        if gain is not None:
+            gains[rows] = gain
+    return None if np.isnan(gains).all() else gains
+
+
+def return_window_pages(runner: Any, request_ids: list[str]) -> None:
+    """The scheduler took back these requests' lent window pages (engine/window_lender.py) and may hand
+    them to another request in this very step: before the forward writes anything, the mass of the
+    window queries they hold is added to each request's window state (its window goes on, accumulated
+    from now on), then the loan ends. Batched per policy, like ``compress_before_forward``."""
+    rows, view = runner.evict_rows, runner.evict_view
+    buffers = runner.evict_buffers
+    page, group = buffers.geometry.page_size, buffers.geometry.group
+    victims = []
+    for request_id in request_ids:
+        slot = rows.slot_of.get(request_id)
+        if slot is None:
+            continue
+        if rows.window_queued[slot] > 0:
+            row = view.row_of(request_id)
+            evicted, cached, policy, _, count = rows.parked[request_id] if row is None else (
+                int(rows.evicted[row]), int(rows.cached[row]), int(rows.policy[row]), slot, int(rows.window[row]))
+            victims.append((request_id, slot, evicted, cached, policy, count))
+    policies = rows.policies
+    for group_id in sorted({int(policies.group[v[4]]) for v in victims}):
+        members = [v for v in victims if int(policies.group[v[4]]) == group_id]
+        column = lambda i: np.array([v[i] for v in members], dtype=np.int64)  # noqa: E731
+        slots, cached, logical, entries = column(1), column(3), column(3) + column(2), column(4)
+        policy = policies.policies[int(entries[0])]
+        gain = window_read_gains(policies, entries, cached, logical, page, buffers.geometry.head_size)
+        lent = rows.window_pages[slots]
+        table = view.page_table([v[0] for v in members], max(-(-int(cached.max()) // page), 1),
+                                runner.evict_builder.staging.to_device)
+        window = WindowStep(recorded=np.zeros(len(members), dtype=np.int64), count=column(5), gain=gain, lent=lent,
+                            queued=rows.window_queued[slots], capacity=window_capacity((lent != NO_PAGE).sum(axis=1), group, page),
+                            group=group, flush=True)
+        flushed = build_group(policy, Phase.DECODE, table, page, lengths=cached, computed=logical,
+                              scheduled=np.zeros(len(members), dtype=np.int64), seed=policies.seed[entries],
+                              keep=None, ring_rows=None, token_starts=None, window=window,
+                              row_options=row_options(policies, policy, entries),
+                              to_device=runner.evict_builder.staging.to_device)
+        nothing = flushed.seq_len[:0]
+        plan = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32),
+                                      ring_index=None), groups=[flushed], ring_positions=None)
+        geometry = buffers.geometry
+        no_queries = torch.zeros(0, geometry.query_heads, geometry.head_size, dtype=geometry.dtype,
+                                 device=geometry.device)
+        for cache in runner.evict_layers:
+            window = page_window(cache, flushed.window_read)
+            if fuses_window(cache, flushed):
+                add_window_mass(cache, flushed, *window)
+            else:
+                accumulate_window(cache, flushed, group_inputs(cache, flushed, plan, no_queries), *window)
+    for request_id in request_ids:
+        slot = rows.slot_of.get(request_id)
+        if slot is not None:
+            rows.end_window_loan(slot)

@@ -37,6 +37,8 @@ import torch
 from torch import Tensor
 
 from vllm_evict.config import EvictionConfig
+from vllm_evict.engine.window_pages import NO_PAGE
+from vllm_evict.engine.window_pages import capacity as window_capacity
 from vllm_evict.evict_step import (
     POSITION_DTYPE, LayerCache, Record, StepPlan, WindowStep, build_group, evict_layer, record_layer,
     state_initializers, tokens_view,
@@ -114,9 +116,9 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
                            o_proj=weight if policy.needs_o_proj else None)
         initializers, zero_states = state_initializers([policy])
         # An elastic request's policy reads its window from the query ring ("ring"); a fixed-mode request's
-        # window mass is accumulated as its queries arrive ("mass") or, on a server with a ring (window_ring),
-        # computed from the ring when the window is read ("deferred").
-        modes = ("ring", "mass", "deferred") if policy.accumulates_window else ("ring" if window else "none",)
+        # window mass is accumulated as its queries arrive ("mass") or, with lent window pages, computed
+        # from the queries waiting there when the window is read ("pages"; "mixed": a group with both).
+        modes = ("ring", "mass", "pages", "mixed") if policy.accumulates_window else ("ring" if window else "none",)
         for phase, evicting, mode in ((p, e, m) for p in PHASES for e in (False, True) for m in modes):
             scheduled = np.array([1, 1] if phase is Phase.DECODE else [page, 4], dtype=np.int64)
             tokens = int(scheduled.sum())
@@ -124,10 +126,17 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
             record = Record(pages=torch.zeros(tokens, dtype=torch.int64, device=device), offsets=offsets,
                             positions=offsets.to(POSITION_DTYPE), ring_index=None)
             accumulated = None
-            if mode in ("mass", "deferred"):
+            if mode in ("mass", "pages", "mixed"):
+                lent = np.zeros((2, 1), dtype=np.int64)  # the null page, lent to both rows
+                if mode == "mixed":
+                    lent[1] = NO_PAGE
+                deferred = lent[:, 0] != NO_PAGE
                 accumulated = WindowStep(recorded=scheduled, count=scheduled,
                                          gain=policy.window_gain(lengths, lengths, d), reset=evicting,
-                                         slots=np.arange(2) if mode == "deferred" else None)
+                                         lent=lent if mode != "mass" else None,
+                                         queued=np.where(deferred, np.minimum(scheduled, 2), 0),
+                                         capacity=window_capacity(np.ones(2, dtype=np.int64), group_size, page),
+                                         group=group_size)
             group = build_group(policy, phase, table, page, lengths=lengths, computed=lengths - scheduled,
                                 scheduled=scheduled, seed=np.zeros(2, dtype=np.int64),
                                 keep=lengths if evicting else None,  # keep everything: nothing moves

@@ -11,6 +11,11 @@ entry of the G query heads of that KV head, turns them into probabilities with t
 them over the window (and over the group unless ``per_query_head``); tiles past the row's length
 write the zeros of the padding, so the result needs no fill.
 
+``accumulate_window_mass`` is the same two passes with pass 2 adding its sums into a paged per-token state
+(the engine's window mass, [num_pages, H_kv, bs] or [num_pages, H_kv, bs, G]) at the row's slots instead of
+writing a dense result: the window pass and its softmax fused with the state's update, no gather and no
+scatter, and nothing written for padding.
+
 Causality compares logical positions: entry i sees slot j iff ``positions[j] <= query_positions[i]``.
 The logits are ``gain_i * scale * q_i . k_j`` (``gain`` [R, W] optional: AhaKV). An entry with no
 visible key contributes nothing. Logits accumulate in fp32 (fp32 operands use IEEE products).
@@ -100,7 +105,10 @@ def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, 
                           lse_ptr, lse_s_r, lse_s_w, out_ptr, o_s_r, o_s_h, o_s_g, W, width, scale, group,
                           block_size, s_blk, s_head, s_tok, s_dim, D,
                           HAS_GAIN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr,
-                          BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ACCUMULATE: tl.constexpr = False):
+    # ACCUMULATE: out_ptr is a paged state with strides (o_s_r, o_s_h, o_s_g) = (page, head, token), and per
+    # query head its last axis 1 apart; the sums are added at the row's slots below its length.
     r = tl.program_id(0)
     h = tl.program_id(1)
     r64 = r.to(tl.int64)
@@ -118,6 +126,8 @@ def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, 
         if UPCAST:
             k = k.to(tl.float32)
         total = tl.zeros((BLOCK_N,), tl.float32)
+        if ACCUMULATE:
+            state_at = slot_offsets(bt_row, bt_s_p, slots, block_size, o_s_r, o_s_g, nmask) + h.to(tl.int64) * o_s_h
         for g in range(0, group):
             hq = h * group + g
             acc = tl.zeros((BLOCK_N,), tl.float32)
@@ -139,11 +149,16 @@ def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, 
                 acc += tl.sum(p, axis=0)
             if REDUCE:
                 total += acc
+            elif ACCUMULATE:
+                at = out_ptr + state_at * group + g
+                tl.store(at, tl.load(at, mask=nmask, other=0.0) + acc, mask=nmask)
             else:
                 tl.store(out_row + g * o_s_g + slots, acc, mask=smask)
-        if REDUCE:
+        if REDUCE and ACCUMULATE:
+            tl.store(out_ptr + state_at, tl.load(out_ptr + state_at, mask=nmask, other=0.0) + total, mask=nmask)
+        elif REDUCE:
             tl.store(out_row + slots, total, mask=smask)
-    else:  # a tile of padding: the zeros the result was not filled with
+    elif not ACCUMULATE:  # a tile of padding: the zeros the result was not filled with
         zeros = tl.zeros((BLOCK_N,), tl.float32)
         if REDUCE:
             tl.store(out_row + slots, zeros, mask=smask)
@@ -205,3 +220,42 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
         *common, out, out.stride(0), out.stride(1), o_s_g, w, width, float(scale), group, *geometry,
         REDUCE=not per_query_head, **meta)
     return out
+
+
+def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
+                           query_positions: Tensor, scale: float, *, positions: Tensor, width: int,
+                           gain: Tensor | None = None, block_n: int = 64, block_w: int = 16) -> None:
+    """``window_mass`` added into ``state`` in place: fp32 [num_pages, H_kv, bs] (summed over the GQA group)
+    or [num_pages, H_kv, bs, G] (per query head), contiguous per token, at each row's slots below its length."""
+    per_query_head = state.dim() == 4
+    if state.dtype != torch.float32 or state.shape[:3] != k_cache.shape[:3] or (per_query_head and state.stride(3) != 1):
+        raise ValueError(f"state must be fp32 [num_pages, H_kv, page_size(, G)] = {tuple(k_cache.shape[:3])}, "
+                         f"contiguous per token; got {state.dtype} {tuple(state.shape)}")
+    rows, w = lengths.shape[0], queries.shape[1]
+    if width == 0 or rows == 0 or w == 0:
+        return
+    for name, t in (("block_table", block_table), ("lengths", lengths), ("query_positions", query_positions),
+                    ("positions", positions)):
+        check_index(name, t)
+    h_q, d = queries.shape[2], queries.shape[3]
+    group = h_q // k_cache.shape[1]
+    if per_query_head and state.shape[3] != group:
+        raise ValueError(f"a per-query-head state needs {group} entries per token, got {state.shape[3]}")
+    bt_s_r, bt_s_p = table_strides(block_table, rows)
+    s_blk, s_head, s_tok, s_dim, _ = view_strides(k_cache)
+    lse = torch.empty((rows, w, h_q), dtype=torch.float32, device=k_cache.device)
+    gain_t, g_s_r, g_s_w = (gain, gain.stride(0), gain.stride(1)) if gain is not None else (lse, 0, 0)
+    upcast = needs_upcast(queries, k_cache)
+    prec = "ieee" if upcast else dot_precision(queries, k_cache)
+    common = (k_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), queries, *queries.stride(),
+              query_positions, *query_positions.stride(), gain_t, g_s_r, g_s_w, positions, *positions.stride(),
+              lse, lse.stride(0), lse.stride(1))
+    geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
+    meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
+                BLOCK_D=block_d(d), num_warps=8 if prec == "ieee" else 4)
+    _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](*common, w, width, float(scale), group, *geometry, **meta)
+    # A per-query-head state's strides are the per-token ones scaled by G (its last axis is contiguous).
+    per_token = [st // (group if per_query_head else 1) for st in state.stride()[:3]]
+    _window_colsum_kernel[(rows, k_cache.shape[1], triton.cdiv(width, block_n))](
+        *common, state, *per_token, w, width, float(scale), group, *geometry, REDUCE=not per_query_head,
+        ACCUMULATE=True, **meta)

@@ -54,12 +54,13 @@ def sg_gain(length: Tensor, budget: Tensor) -> Tensor:
     return torch.sqrt(2.0 * torch.log(ratio).clamp_min(0.0)).float()
 
 
-def value_prior(vnorm: Tensor, positions: Tensor, valid: Tensor, kernel: int) -> Tensor:
+def value_prior(vnorm: Tensor, positions: Tensor, valid: Tensor, kernel: Tensor | int,
+                kernel_max: int | None = None) -> Tensor:
     """gamma_bar [R, H_kv, N]: nu average-pooled along the logical order, divided by its per-head max (§3.5).
 
     Stride 1, 'same' padding, and the border windows average only the tokens that exist
     (count_include_pad=False). A head whose values are all zero gets gamma_bar = 0."""
-    gamma = dense.mean_pool_in_position_order(vnorm, positions, valid, kernel)
+    gamma = dense.mean_pool_in_position_order(vnorm, positions, valid, kernel, kernel_max)
     peak = gamma.amax(dim=-1, keepdim=True)
     return torch.where(peak > 0, gamma / peak.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(gamma))
 
@@ -146,12 +147,13 @@ class AhaKV(Policy):
 
     def window_score(self, inp: EvictionInputs) -> Tensor:
         """F [R, H_kv, N]: SG-softmax rows of the last r queries, summed over rows and the GQA group (§3.4, §3.6)."""
-        return inp.window_mass(count=self.recent, gain=self.logit_gain(inp))
+        return inp.window_mass(count=self.option(inp, "recent"), gain=self.logit_gain(inp))
 
     def refined_score(self, inp: EvictionInputs) -> Tensor:
         """F_hat = gamma_bar * F (Eq. 15), fp32 [R, H_kv, N], finite and non-negative."""
         vnorm = self._full_state(inp)["vnorm"]
-        return value_prior(vnorm, inp.positions, inp.valid, self.value_kernel) * self.window_score(inp)
+        kernel, widest = self.option(inp, "value_kernel"), self.option_max(inp, "value_kernel")
+        return value_prior(vnorm, inp.positions, inp.valid, kernel, widest) * self.window_score(inp)
 
     def decode_increment(self, inp: EvictionInputs) -> Tensor:
         """SG-softmax row(s) of this step's queries (the last ``num_new``), summed over the group."""
@@ -173,16 +175,18 @@ class AhaKV(Policy):
         """Its mass sums SG-softmax rows over the last ``recent`` queries AND over the G heads of the group
         (times a value prior in (0, 1]); in decode it keeps adding G rows per step, which this ignores."""
         if inp.window_count is None:
-            rows = (inp.latest_query_positions(self.recent) >= 0).sum(dim=-1)
+            rows = (inp.latest_query_positions(self.option(inp, "recent")) >= 0).sum(dim=-1)
         elif inp.phase is Phase.DECODE:  # the engine keeps no decode window for AhaKV: r rows, as above
-            rows = inp.seq_len.clamp(max=self.recent)
+            recent = self.option(inp, "recent")
+            rows = torch.minimum(inp.seq_len, recent) if isinstance(recent, torch.Tensor) else inp.seq_len.clamp(max=recent)
         else:
             rows = inp.window_count
         return rows * inp.group_size
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         valid = inp.valid
-        return dense.recent_mask(inp.positions, valid, self.recent) | dense.sink_mask(inp.positions, valid, self.sinks)
+        return (dense.recent_mask(inp.positions, valid, self.option(inp, "recent"))
+                | dense.sink_mask(inp.positions, valid, self.option(inp, "sinks")))
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         return dense.protect(self.ranking(inp), self.protected_mask(inp))

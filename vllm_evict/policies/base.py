@@ -16,9 +16,9 @@ queries for fixed-mode requests: it accumulates each window query's softmax row 
 state ``WINDOW_MASS`` when the query is computed (the keys it sees are exactly those it would see later,
 since nothing is evicted in between), following the policy's ``window_size`` / ``window_gain``, and
 sets ``window_count``; ``window_mass`` then returns that state. Its ``queries`` are then this step's
-own queries (what ``update_state`` of H2O and of AhaKV's decode reads). On a server started with
-``window_ring`` the engine computes the same state once, from the window's queries kept in its query
-ring, in the step that reads the window; the policy sees no difference.
+own queries (what ``update_state`` of H2O and of AhaKV's decode reads). A decoding request the scheduler
+has lent pages of the KV pool keeps its window's queries there instead, and the engine computes the same
+state once, from them, in the step that reads the window; the policy sees no difference.
 
 Query head g belongs to KV head g // (H_q // H_kv), as in every GQA model (under tensor parallelism
 with more ranks than KV heads, ``queries`` holds this rank's share of the group: see ``kv_replicas``).
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -120,6 +121,11 @@ class EvictionInputs:
     # int64 [R]: queries in the window the engine accumulated into state WINDOW_MASS (None: the window's
     # queries are ``queries`` and its mass is computed from them).
     window_count: Tensor | None = None
+    # Numeric options whose value differs between the rows of a batched call, per row [R] (int64, or
+    # float64 for a float option): the engine batches requests of one method whatever their options
+    # (``Policy.option`` reads them); an option not here has the policy's own value in every row.
+    row_options: dict[str, Tensor] = field(default_factory=dict)
+    row_option_bounds: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # their (min, max), on the host
 
     # Shapes come from ``positions``, which is always a tensor, so asking them loads nothing.
     @property
@@ -259,6 +265,34 @@ class Policy(ABC):
         for key, value in self.options.items():
             setattr(self, key, value)
 
+    # ---- options that may differ between the rows of one call ------------------------------------
+    def all_options(self) -> dict[str, Any]:
+        """Every option of this policy by name (a meta score's and its base's)."""
+        return dict(self.options)
+
+    def row_option_names(self) -> tuple[str, ...]:
+        """Options that may differ between the rows of one batched call (``EvictionInputs.row_options``):
+        the numeric ones (windows, sinks, kernels, ratios, ...; budgets and seeds are per row anyway).
+        The others (choices such as pooling or CAOTE's mode) change what the call computes, so the rows
+        of a call share them, and so do their numeric options set to None (an automatic rule)."""
+        return _numeric_options(type(self))
+
+    def option(self, inp: EvictionInputs, name: str) -> Any:
+        """Option ``name`` for the rows of ``inp``: the policy's own value, or per row ([R] tensor, int64 or
+        float64) when the rows have different values."""
+        per_row = inp.row_options.get(name)
+        return getattr(self, name) if per_row is None else per_row
+
+    def option_max(self, inp: EvictionInputs, name: str) -> Any:
+        """The largest value of option ``name`` over the rows of ``inp``, on the host."""
+        bounds = inp.row_option_bounds.get(name)
+        return getattr(self, name) if bounds is None else bounds[1]
+
+    def option_min(self, inp: EvictionInputs, name: str) -> Any:
+        """The smallest value of option ``name`` over the rows of ``inp``, on the host."""
+        bounds = inp.row_option_bounds.get(name)
+        return getattr(self, name) if bounds is None else bounds[0]
+
     # ---- what the engine needs to know -------------------------------------------------
     @property
     def query_window(self) -> int | None:
@@ -377,6 +411,30 @@ class Policy(ABC):
         return StepResult(state=state, keep=self.select(inp.with_state(state)))
 
 
+@functools.lru_cache(maxsize=None)
+def _numeric_options(cls: type) -> tuple[str, ...]:
+    """The numeric options of a policy class (asked on every step: computed once per class)."""
+    return tuple(name for name, default in cls.defaults.items() if _numeric_option(cls, name, default))
+
+
+def _numeric_option(cls: type, name: str, default: Any) -> bool:
+    """An option whose type (its annotation, or its default's) is int or float, bools excluded."""
+    for klass in cls.__mro__:
+        hint = vars(klass).get("__annotations__", {}).get(name)
+        if hint is not None:
+            return str(hint).replace(" ", "") in ("int", "float", "int|None", "float|None")
+    return isinstance(default, (int, float)) and not isinstance(default, bool)
+
+
+def per_row(value: Any, ndim: int = 3, dtype: torch.dtype | None = None) -> Any:
+    """An option value as it broadcasts against [R, ...] tensors of ``ndim`` dims: a per-row [R] tensor
+    viewed as [R, 1, ...] (in ``dtype``), a plain number unchanged."""
+    if not isinstance(value, Tensor):
+        return value
+    view = value.view(-1, *([1] * (ndim - 1)))
+    return view if dtype is None else view.to(dtype)
+
+
 class SinksAndRecent(Policy):
     """A policy whose only protected tokens are the optional first ``sinks`` and last ``recent``
     logical positions (both off by default, as in the papers' harness)."""
@@ -395,7 +453,8 @@ class SinksAndRecent(Policy):
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         valid = inp.valid
-        return dense.recent_mask(inp.positions, valid, self.recent) | dense.sink_mask(inp.positions, valid, self.sinks)
+        return (dense.recent_mask(inp.positions, valid, self.option(inp, "recent"))
+                | dense.sink_mask(inp.positions, valid, self.option(inp, "sinks")))
 
 
 class MetaPolicy(Policy):
@@ -418,6 +477,12 @@ class MetaPolicy(Policy):
     @classmethod
     def accepts(cls, base_cls: type[Policy]) -> bool:
         return bool(base_cls.is_attention_mass)
+
+    def all_options(self) -> dict[str, Any]:
+        return {**self.base.all_options(), **self.options}
+
+    def row_option_names(self) -> tuple[str, ...]:
+        return (*self.base.row_option_names(), *super().row_option_names())
 
     @property
     def query_window(self) -> int | None:

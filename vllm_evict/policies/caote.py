@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import EvictionInputs, MetaPolicy, Policy
+from vllm_evict.policies.base import EvictionInputs, MetaPolicy, Policy, per_row
 from vllm_evict.policies.options import check_choice, check_float
 
 CAOTE_MODES = ("group", "head")
@@ -89,7 +89,8 @@ class CAOTE(MetaPolicy):
             center = center.expand(-1, -1, alpha.shape[2], -1)
         else:
             center = torch.einsum("rhgn,rhnd->rhgd", alpha, values)
-        per_head = dense.output_error_from_center(alpha, values, center, self.eps)
+        per_head = dense.output_error_from_center(alpha, values, center, per_row(self.option(inp, "eps"), 4,
+                                                                                 torch.float32))
         return torch.linalg.vector_norm(per_head, dim=2)  # +inf stays +inf
 
     def scores(self, inp: EvictionInputs) -> Tensor:
@@ -97,7 +98,12 @@ class CAOTE(MetaPolicy):
             c = self._head_scores(inp)
         else:
             alpha = dense.normalise_mass(self.base.attention_mass(inp), inp.valid)
-            c = inp.ops.output_error(inp, alpha, self.fast, self.eps)
+            eps = self.option(inp, "eps")
+            if isinstance(eps, Tensor):  # per row: the kernels take one floor; the rest is applied here
+                c = inp.ops.output_error(inp, alpha, self.fast, self.option_min(inp, "eps"))
+                c = dense.floor_output_error(c, alpha, per_row(eps, 3, torch.float32))
+            else:
+                c = inp.ops.output_error(inp, alpha, self.fast, eps)
         return dense.protect(c, self.base.protected_mask(inp))
 
 

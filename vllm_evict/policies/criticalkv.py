@@ -35,13 +35,13 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import EvictionInputs, MetaPolicy
+from vllm_evict.policies.base import EvictionInputs, MetaPolicy, per_row
 from vllm_evict.policies.options import check_float
 from vllm_evict.policies.score_ops import DENSE, ScoreOps
 
 
 def two_stage_keep(s1: Tensor, nu: Tensor, protected: Tensor, valid: Tensor, budget: Tensor, budget_max: int,
-                   alpha: float, epsilon: float) -> Tensor:
+                   alpha: Tensor | float, epsilon: Tensor | float) -> Tensor:
     """CriticalKV's selection (spec §3.1), batched over rows and KV heads: kept slots [R, H, budget_max]
     as ``dense.topk_keep`` lays them out.
 
@@ -110,9 +110,10 @@ class CriticalKV(MetaPolicy):
     def scores(self, inp: EvictionInputs) -> Tensor:
         """Budget-free ranking: the stage-2 score ``(s1 + epsilon) * nu`` with protected tokens at +inf.
         Selection (``select``) is the two-stage procedure, which this single score does not capture."""
-        s2 = (self.stage1_scores(inp) + self.epsilon) * self._nu(inp)
+        s2 = (self.stage1_scores(inp) + per_row(self.option(inp, "epsilon"), 3, torch.float32)) * self._nu(inp)
         return dense.protect(s2, self.base.protected_mask(inp))
 
     def select(self, inp: EvictionInputs) -> Tensor:
         return two_stage_keep(self.stage1_scores(inp), self._nu(inp), self.base.protected_mask(inp), inp.valid,
-                              inp.budget, inp.budget_max, self.alpha, self.epsilon)
+                              inp.budget, inp.budget_max, per_row(self.option(inp, "alpha")),
+                              per_row(self.option(inp, "epsilon"), 3, torch.float32))

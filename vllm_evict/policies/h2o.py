@@ -58,10 +58,11 @@ class H2O(SinksAndRecent):
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         valid = inp.valid
         if self.recent is not None:
-            recent: Tensor | int = self.recent
+            recent: Tensor | int = self.option(inp, "recent")
         else:  # half of each row's budget; a step that evicts nothing protects nothing
             recent = inp.budget // 2 if inp.budget is not None else 0
-        return dense.recent_mask(inp.positions, valid, recent) | dense.sink_mask(inp.positions, valid, self.sinks)
+        return dense.recent_mask(inp.positions, valid, recent) | dense.sink_mask(inp.positions, valid,
+                                                                                 self.option(inp, "sinks"))
 
     def update_state(self, inp: EvictionInputs) -> dict[str, Tensor]:
         """acc_j += (1/G) sum_g sum_i A^(g)_ij over this step's queries i.

@@ -29,13 +29,14 @@ afresh.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_evict import dense
-from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, Policy
+from vllm_evict.policies.base import WINDOW_MASS, EvictionInputs, Policy, per_row
 from vllm_evict.policies.options import check_float, check_int
 from vllm_evict.policies.random_policy import head_draws
 
@@ -122,21 +123,26 @@ class NaCl(Policy):
     def proxy_rule(self, seq_len: Tensor | np.ndarray, budget: Tensor | np.ndarray | None) -> Tensor | np.ndarray:
         """n_p per row before the queries available are counted: ``proxy``, or ``DEFAULT_PROXY`` capped at
         floor((B - sinks) / 2) (int64, torch or numpy alike; ``budget`` None: the cap is not applied)."""
-        if self.proxy is not None:
-            return seq_len * 0 + self.proxy
+        return self._proxy_rule(seq_len, budget, self.proxy, self.sinks)
+
+    def _proxy_rule(self, seq_len: Any, budget: Any, proxy: Any, sinks: Any) -> Any:
+        if proxy is not None:
+            return seq_len * 0 + proxy
         n_p = seq_len * 0 + self.DEFAULT_PROXY
         if budget is None:
             return n_p
         if isinstance(n_p, np.ndarray):
-            return np.minimum(n_p, np.maximum((budget - self.sinks) // 2, 0))
-        return torch.minimum(n_p, ((budget - self.sinks) // 2).clamp_min(0))
+            return np.minimum(n_p, np.maximum((budget - sinks) // 2, 0))
+        return torch.minimum(n_p, ((budget - sinks) // 2).clamp_min(0))
 
     def window_size(self, seq_len: np.ndarray, budget: np.ndarray) -> np.ndarray:
         return np.asarray(self.proxy_rule(seq_len.astype(np.int64), budget.astype(np.int64)), dtype=np.int64)
 
     def proxy_count(self, inp: EvictionInputs) -> Tensor:
         """n_p per row [R] (see the module docstring); with no budget the cap is not applied."""
-        return torch.minimum(self.proxy_rule(inp.seq_len.long(), inp.budget), inp.window_queries())
+        proxy = self.option(inp, "proxy") if self.proxy is not None else None
+        n_p = self._proxy_rule(inp.seq_len.long(), inp.budget, proxy, self.option(inp, "sinks"))
+        return torch.minimum(n_p, inp.window_queries())
 
     def proxy_score(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:
         """F [R, H_kv, N]: causal softmax column sums over the last ``n_proxy`` queries, GQA group mean."""
@@ -144,7 +150,8 @@ class NaCl(Policy):
 
     def _protected(self, inp: EvictionInputs, n_proxy: Tensor) -> Tensor:
         valid = inp.valid
-        return dense.sink_mask(inp.positions, valid, self.sinks) | dense.recent_mask(inp.positions, valid, n_proxy)
+        return (dense.sink_mask(inp.positions, valid, self.option(inp, "sinks"))
+                | dense.recent_mask(inp.positions, valid, n_proxy))
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         return self._protected(inp, self.proxy_count(inp))
@@ -162,9 +169,11 @@ class NaCl(Policy):
         return dense.protect(self.proxy_score(inp, n_p), self._protected(inp, n_p))
 
     # ---- selection -------------------------------------------------------------------------
-    def split_counts(self, rest: Tensor) -> tuple[Tensor, Tensor]:
-        """(B_prox, B_rand) for R = ``rest`` tokens: B_prox = round((1 - ratio) R), halves rounded up."""
-        prox = torch.floor((1.0 - float(self.random_ratio)) * rest.double() + 0.5).long()
+    def split_counts(self, rest: Tensor, ratio: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+        """(B_prox, B_rand) for R = ``rest`` tokens [R, H]: B_prox = round((1 - ratio) R), halves rounded up
+        (``ratio``: per row, or None: the policy's own)."""
+        ratio = float(self.random_ratio) if ratio is None else ratio
+        prox = torch.floor((1.0 - per_row(ratio, 2)) * rest.double() + 0.5).long()
         prox = torch.minimum(prox, rest)
         return prox, rest - prox
 
@@ -173,11 +182,11 @@ class NaCl(Policy):
         score = self.proxy_score(inp, n_p)
         protected = self._protected(inp, n_p)
         rest = (inp.budget.view(-1, 1) - protected.sum(dim=-1)).clamp(min=0)  # [R, H]
-        n_top, n_rand = self.split_counts(rest)
+        n_top, n_rand = self.split_counts(rest, self.option(inp, "random_ratio"))
         candidates = inp.valid & ~protected
         top = first_k_mask(score, candidates, n_top)
         # Gumbel-top-k: the n_rand largest F/tau + G are a draw without replacement from softmax(F/tau).
-        perturbed = score / float(self.temperature) + gumbel_noise(inp)
+        perturbed = score / per_row(self.option(inp, "temperature"), 3, torch.float32) + gumbel_noise(inp)
         rand = first_k_mask(perturbed, candidates & ~top, n_rand)
         return NaClSelection(protected=protected, proxy_top=top, random=rand)
 

@@ -50,7 +50,8 @@ class SnapKV(Policy):
         return self.pooling == "max"
 
     def _pool(self, scores: Tensor, inp: EvictionInputs) -> Tensor:
-        return dense.pool_in_position_order(scores, inp.positions, inp.valid, self.kernel, self.pooling)
+        return dense.pool_in_position_order(scores, inp.positions, inp.valid, self.option(inp, "kernel"),
+                                            self.pooling, self.option_max(inp, "kernel"))
 
     def window_mass(self, inp: EvictionInputs) -> Tensor:
         """Attention of the window queries summed over the window, GQA group mean: [R, H_kv, N]."""
@@ -73,7 +74,8 @@ class SnapKV(Policy):
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
         valid = inp.valid
-        return dense.recent_mask(inp.positions, valid, self.window) | dense.sink_mask(inp.positions, valid, self.sinks)
+        return (dense.recent_mask(inp.positions, valid, self.option(inp, "window"))
+                | dense.sink_mask(inp.positions, valid, self.option(inp, "sinks")))
 
     def ranking_mass(self, inp: EvictionInputs) -> Tensor:
         """SnapKV's own statistic (criticalkv.md §2.5 steps 3-5, as the reference implementations): per
@@ -82,7 +84,7 @@ class SnapKV(Policy):
         tokens just before the window get no share of the window's attention to itself. Pooling each
         query head before the mean matters for max pooling only: average pooling is linear, so it pools
         the group mean instead (one pass, and no per-query-head mass to keep)."""
-        window = dense.recent_mask(inp.positions, inp.valid, self.window)  # [R, H, N]
+        window = dense.recent_mask(inp.positions, inp.valid, self.option(inp, "window"))  # [R, H, N]
         if self.needs_window_heads:
             per_head = inp.window_mass(per_query_head=True).masked_fill(window.unsqueeze(2), 0.0)
             return self._pool(per_head, inp).mean(dim=2).masked_fill(~inp.valid, 0.0)

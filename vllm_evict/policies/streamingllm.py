@@ -34,7 +34,7 @@ class StreamingLLM(Policy):
         return self.sinks
 
     def protected_mask(self, inp: EvictionInputs) -> Tensor:
-        return dense.sink_mask(inp.positions, inp.valid, self.sinks)
+        return dense.sink_mask(inp.positions, inp.valid, self.option(inp, "sinks"))
 
     def scores(self, inp: EvictionInputs) -> Tensor:
         """Recency rank in logical order (0 = oldest), so top-k takes the newest tokens.
