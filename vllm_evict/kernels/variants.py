@@ -114,8 +114,11 @@ class Launch:
 @dataclass
 class LaunchRecorder:
     """``with LaunchRecorder() as rec: ...`` records every Triton kernel launch (interpreter or JIT),
-    then lets each run as usual."""
+    then lets each run as usual; ``LaunchRecorder(execute=False)`` records without running (for code
+    whose kernels write only scratch, such as the start-up warm-up: under Triton's interpreter on CPU
+    running them is most of a test's time, and their variant keys do not depend on what they compute)."""
 
+    execute: bool = True
     launches: list[Launch] = field(default_factory=list)
     _restore: list[tuple[Any, str, Callable]] = field(default_factory=list)
 
@@ -131,6 +134,8 @@ class LaunchRecorder:
                 if not kwargs.get("warmup"):
                     launch_kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
                     self.launches.append(Launch(kernel, args, launch_kwargs))
+                    if not self.execute:
+                        return None
                 return _original(kernel, *args, **kwargs)
 
             owner.run = run
