@@ -499,7 +499,9 @@ def host_time(model: str, dtype: str, batches: list[int], steps: int) -> dict[st
 def _hooks_time(model: str, dtype: str, batch: int, steps: int, variant: Variant) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    pool = batch * (64 + steps + PAGE) + 4 * PAGE
+    # Room for every request's window pages (NEAR's 63-query window: 3 pages of SmolLM2), so that the
+    # lent-pages case measures lending, not loans taken back from a full pool.
+    pool = batch * (64 + steps + 4 * PAGE) + 4 * PAGE
     scenario = Scenario("host", requests=batch, prompt=64, generate=steps, pool_tokens=pool,
                         chunk=max(2048, 64 * batch), equal_pool=True)  # a time, not a memory, comparison
     llm = make_llm(model, dtype, scenario, variant)
