@@ -256,6 +256,10 @@ def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, 
     _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](*common, w, width, float(scale), group, *geometry, **meta)
     # A per-query-head state's strides are the per-token ones scaled by G (its last axis is contiguous).
     per_token = [st // (group if per_query_head else 1) for st in state.stride()[:3]]
+    # The read-modify-write of the state with a logit gain spills at 4 warps in bf16/fp16 (8 bytes, sm_90,
+    # benchmarks/triton_aot.py); 8 warps hold it, as they do the fp32 variants.
+    if gain is not None:
+        meta["num_warps"] = 8
     _window_colsum_kernel[(rows, k_cache.shape[1], triton.cdiv(width, block_n))](
         *common, state, *per_token, w, width, float(scale), group, *geometry, REDUCE=not per_query_head,
         ACCUMULATE=True, **meta)
