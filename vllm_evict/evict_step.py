@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from vllm_evict import dense, ops
-from vllm_evict.engine.window_pages import NO_PAGE, window_entries
+from vllm_evict.engine.window_pages import NO_PAGE, SlotRows, window_entries
 from vllm_evict.engine.window_pages import slot_addresses as window_slot_addresses
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_slots, slot_addresses
@@ -74,6 +74,9 @@ class LayerCache:
     # Tensor parallel (scale-out): this rank's KV heads; with replicated KV heads the group sums are
     # completed across the copies (vllm_evict/kv_shard.py). None: this rank holds whole groups.
     shard: KVShard | None = None
+    # The window slots of lent pages as rows [rows, d] of the KV storage (engine/window_pages.py
+    # ``slot_row_view``); None: reached through ``k`` and ``v``.
+    slot_rows: Tensor | None = None
 
     @property
     def kv_heads_total(self) -> int:
@@ -120,17 +123,28 @@ class WindowWrites:
 
     k: Tensor
     v: Tensor
+    # The same slots as rows of ``LayerCache.slot_rows``: int64 [3, m] (row, token, query head), one per
+    # slot and KV head (window_pages.write_rows); None: the layers have no slot rows.
+    rows: Tensor | None = None
+
+    def sources(self, per_token: int) -> Tensor:
+        """Each row's query as a row of ``query_rows`` (token * per_token + query head): one op."""
+        assert self.rows is not None
+        return self.rows[2].add(self.rows[1], alpha=per_token)
 
 
 @dataclass
 class WindowRead:
     """A group's windows as they wait in lent pages: the slots of each row's queries [R, M * G] (page,
-    offset, and whether in the V half) and the queries' logical positions [R, M] (-1: padding)."""
+    offset, and whether in the V half) and the queries' logical positions [R, M] (-1: padding); ``rows``:
+    the same slots as rows of ``LayerCache.slot_rows``, [R, M * H_kv * G] in the order (entry, KV head,
+    member), or None."""
 
     pages: Tensor
     offsets: Tensor
     in_v: Tensor
     positions: Tensor
+    rows: Tensor | None = None
 
 
 @dataclass
@@ -235,7 +249,7 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
                 computed: np.ndarray, scheduled: np.ndarray, seed: np.ndarray, keep: np.ndarray | None,
                 ring_rows: np.ndarray | None, token_starts: np.ndarray | None,
                 window: WindowStep | None = None, row_options: dict[str, np.ndarray] | None = None,
-                to_device: Callable[..., list[Tensor]] | None = None) -> Group:
+                to_device: Callable[..., list[Tensor]] | None = None, slot_rows: SlotRows | None = None) -> Group:
     """A ``Group`` from host arrays over its rows (one host-to-device copy for all of them).
 
     block_table [R, pages] on the device; lengths: physical tokens after this step; computed: logical
@@ -245,7 +259,8 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     observation window (None: none, or kept as queries in the ring); row_options: the numeric options
     that differ between the rows, per row (int64, or float64 for a float option; ``query_window``: each
     row's policy's query window), the others are the policy's own; to_device: the engine's staging
-    (``vllm_evict.staging.Staging.to_device``; None: pinned blocks of PyTorch's host allocator)."""
+    (``vllm_evict.staging.Staging.to_device``; None: pinned blocks of PyTorch's host allocator); slot_rows:
+    where the layers' window slots are rows of their KV storage (None: they are not)."""
     device = block_table.device
     if to_device is None:
         to_device = partial(pinned_to_device, device=device)
@@ -277,6 +292,8 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
         arrays["read"] = np.stack([slots.page.reshape(rows, -1), slots.offset.reshape(rows, -1),
                                    slots.in_v.reshape(rows, -1)])
         arrays["read_positions"] = positions
+        if slot_rows is not None:  # [R, M, G, H_kv] -> (entry, KV head, member)
+            arrays["read_rows"] = slot_rows.rows(slots).transpose(0, 1, 3, 2).reshape(rows, -1)
     options = row_options or {}
     names = sorted(options)
     if names:  # floats travel as the bits of their float64
@@ -294,7 +311,7 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     if "read" in copied:
         read_pages, read_offsets, read_in_v = copied["read"].unbind(0)
         window_read = WindowRead(pages=read_pages, offsets=read_offsets, in_v=read_in_v.bool(),
-                                 positions=copied["read_positions"])
+                                 positions=copied["read_positions"], rows=copied.get("read_rows"))
     per_row = {n: copied["options"][i].view(torch.float64) if options[n].dtype.kind == "f" else copied["options"][i]
                for i, n in enumerate(names)}
     query_window = per_row.pop("query_window", None)
@@ -366,9 +383,27 @@ def _query_groups(cache: LayerCache, query: Tensor, num_tokens: int) -> Tensor:
     return view[:num_tokens].view(num_tokens, heads, -1, head_size)
 
 
+def query_rows(query: Tensor, num_tokens: int, heads: int, head_size: int) -> tuple[Tensor, int]:
+    """The step's query vectors as rows [n, head_size] and the rows per token (query head j of token t
+    is row t * per_token + j): a view of the query's storage when its heads are rows (a slice of the
+    fused QKV projection is), else a copy."""
+    q = tokens_view(query, num_tokens, heads, head_size)
+    if q.stride(2) == 1 and q.stride(1) == head_size and q.stride(0) % head_size == 0:
+        per_token = q.stride(0) // head_size
+        return q.as_strided(((num_tokens - 1) * per_token + heads, head_size), (head_size, 1)), per_token
+    return q.reshape(-1, head_size), heads
+
+
 def write_window_queries(cache: LayerCache, writes: WindowWrites, query: Tensor, num_tokens: int) -> None:
     """Window queries into lent pages: each (query, group member) into its slot of a K or V half, through
-    the same views the engine compacts K and V with (engine/window_pages.py)."""
+    the same views the engine compacts K and V with (engine/window_pages.py), or as rows of the KV
+    storage (one gather, one scatter)."""
+    if writes.rows is not None and cache.slot_rows is not None and num_tokens:
+        rows, per_token = query_rows(query, num_tokens, cache.k.shape[1] * _group_size(cache, query), cache.k.shape[3])
+        values = rows.index_select(0, writes.sources(per_token))
+        cache.slot_rows.index_copy_(0, writes.rows[0], values if values.dtype == cache.slot_rows.dtype
+                                    else values.to(cache.slot_rows.dtype))
+        return
     q = _query_groups(cache, query, num_tokens)
     for target, slots in ((cache.k, writes.k), (cache.v, writes.v)):
         token, member, page, offset = slots.unbind(0)
@@ -376,9 +411,18 @@ def write_window_queries(cache: LayerCache, writes: WindowWrites, query: Tensor,
         target[page, :, offset] = values if values.dtype == target.dtype else values.to(target.dtype)
 
 
+def _group_size(cache: LayerCache, query: Tensor) -> int:
+    """Query heads per KV head (G), from the query's width."""
+    return query.view(query.shape[0], -1).shape[1] // (cache.k.shape[1] * cache.k.shape[3])
+
+
 def page_window(cache: LayerCache, read: WindowRead) -> tuple[Tensor, Tensor]:
     """The window queries waiting in lent pages, [R, H_q, M, d] (laid out as ``step_window``'s: a view of
     [R, M, H_q, d], so the kernels see one stride pattern), and their positions [R, M]."""
+    if read.rows is not None and cache.slot_rows is not None:
+        rows, entries = read.positions.shape
+        grouped = cache.slot_rows.index_select(0, read.rows.view(-1)).view(rows, entries, -1, cache.k.shape[3])
+        return grouped.permute(0, 2, 1, 3), read.positions
     k = cache.k[read.pages, :, read.offsets]  # [R, M * G, H_kv, d]
     v = cache.v[read.pages, :, read.offsets]
     slots = torch.where(read.in_v[:, :, None, None], v, k)

@@ -103,14 +103,19 @@ def test_rows_near_an_eviction_accumulate_their_window_batched(tiny_llama, engin
 
 def test_with_window_pages_rows_near_an_eviction_only_store_their_queries(tiny_llama, engine_factory):
     # The same steps by default: the scheduler lends each request a page of the pool for its window, and
-    # each layer writes the batch's queries there (a gather and a scatter for the slots in K halves, the
-    # same for V halves) and computes nothing; the window's mass is computed once, when the eviction reads it.
+    # each layer writes the batch's queries there and computes nothing; the window's mass is computed once,
+    # when the eviction reads it. Where the layout's slots are rows of the KV storage (every strided layout,
+    # this one too), a write is the queries' rows (one add), one gather and one scatter; through the K/V
+    # views (AMX's packed tiles) a gather and a scatter for the slots in K halves, the same for V halves.
     config = {"policy": "snapkv", "budget": 20, "window": 16, "slack": 8}
     engine = engine_factory(tiny_llama, config, max_num_seqs=16, max_num_batched_tokens=512)
     layer_1, step_1 = decode_step_counts(engine, 1)
     layer_16, step_16 = decode_step_counts(engine, 16)
     assert layer_1 == layer_16 and step_1 == step_16, f"ops grow with the batch: {layer_1} vs {layer_16}"
-    assert layer_16 == {"index": 2, "index_put_": 2}, f"two window writes per layer and nothing else: {layer_16}"
+    as_rows = engine.runner.evict_builder.slot_rows is not None
+    assert as_rows == (engine.runner.evict_layout != "amx_packed"), engine.runner.evict_layout
+    expected = {"add": 1, "index_select": 1, "index_copy_": 1} if as_rows else {"index": 2, "index_put_": 2}
+    assert layer_16 == expected, f"the window writes per layer and nothing else: {layer_16}"
     assert not SYNCS & set(step_16), f"a host-device sync on the per-step path: {step_16}"
     assert engine.runner.evict_buffers.ring is None and engine.scheduler.window_pages.loans >= 17
 

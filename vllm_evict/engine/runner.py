@@ -40,7 +40,7 @@ from vllm_evict.engine.step_builder import BuiltStep, StepBuilder, compress_befo
 from vllm_evict.engine.step_timer import StepTimer
 from vllm_evict.engine.warmup import WarmupGeometry, warm_up_in_vllm, warm_up_server
 from vllm_evict.engine.window_lender import query_group
-from vllm_evict.engine.window_pages import pages_for_window
+from vllm_evict.engine.window_pages import pages_for_window, slot_row_view
 from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
@@ -106,6 +106,17 @@ class EvictRunnerMixin:
             return
         self._install_eviction()
 
+    def _use_slot_rows(self) -> None:
+        """Window queries as rows of the KV storage where every layer has them at the same row numbers
+        (engine/window_pages.py); otherwise through the K and V views."""
+        found = [slot_row_view(cache.k, cache.v) for cache in self.evict_layers]
+        if any(f is None for f in found) or len({f[0] for f in found if f is not None}) != 1:
+            logger.info("vllm_evict: window queries go through the K/V views (the layout has no slot rows)")
+            return
+        for cache, (_, view) in zip(self.evict_layers, found):  # type: ignore[misc]
+            cache.slot_rows = view
+        self.evict_builder.slot_rows = found[0][0]  # type: ignore[index]
+
     def _attention_layers(self) -> list[tuple[str, Any]]:
         context = self.compilation_config.static_forward_context  # type: ignore[attr-defined]
         return [(name, module) for name, module in context.items()
@@ -155,6 +166,7 @@ class EvictRunnerMixin:
             impl = module.impl
             original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
             impl.forward = self._make_hook(index, original)
+        self._use_slot_rows()
         if self.evict_server is not None:
             server = _server_config(self.evict_server)
             self._on_new_policy(server, self.evict_policies.policies[self.evict_policies.index_of(server)])

@@ -20,7 +20,7 @@ from vllm_evict.engine.rows import RowTable
 from vllm_evict.engine.runner_view import RunnerView
 from vllm_evict.engine.window_pages import NO_PAGE
 from vllm_evict.engine.window_pages import capacity as window_capacity
-from vllm_evict.engine.window_pages import write_table
+from vllm_evict.engine.window_pages import SlotRows, write_rows, write_table
 from vllm_evict.evict_step import (
     Group, Record, StepPlan, WindowStep, WindowWrites, accumulate_window, add_window_mass, build_group, evict_layer,
     fuses_window, group_inputs, page_window, record_step, ring_entries, state_initializers,
@@ -116,6 +116,8 @@ class StepBuilder:
         # Persistent per-row buffer of evicted counts on the device, refilled (not reallocated) per step.
         self.evicted_device = torch.zeros(len(rows.evicted), dtype=torch.int64, device=device)
         self.staging = Staging(device)  # pinned host memory for the step's host-to-device copies
+        # Where the layers' window slots are rows of their KV storage (set with the layers; None: not).
+        self.slot_rows: SlotRows | None = None
 
     # ---- physical lengths ------------------------------------------------------------------------
     def make_lengths_physical(self, view: RunnerView, num_reqs: int, num_tokens: int) -> None:
@@ -253,25 +255,27 @@ class StepBuilder:
         if staged:
             ring_index = copied[0]
             ring_tokens = copied[1] if len(staged) == 2 else None
-        window_writes = WindowWrites(*copied[len(staged):]) if writes else None
+        window_writes = WindowWrites(*copied[len(staged):]) if writes else None  # (k, v[, rows])
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=view.positions(num_tokens).to(torch.int32), ring_index=ring_index,
                       ring_tokens=ring_tokens, window_writes=window_writes)
 
     def _window_writes(self, view: RunnerView, computed: np.ndarray, scheduled: np.ndarray,
-                       windows: RowWindows) -> tuple[np.ndarray, np.ndarray]:
+                       windows: RowWindows) -> tuple[np.ndarray, ...]:
         """Where this step's window queries of rows with lent pages go: [4, n] (token, group member, page,
         offset) for the slots in K halves and in V halves (both always, so that a layer's operations do
-        not depend on where the step's entries fall)."""
+        not depend on where the step's entries fall), and, where the slots are rows, [3, m] (row, token,
+        query head)."""
         rows = np.nonzero(windows.to_pages)[0]
         recorded = windows.recorded[rows]
         token_rows = np.repeat(rows, recorded)
         first = scheduled[rows] - recorded  # each row's last ``recorded`` tokens of this step
         within = np.arange(len(token_rows)) - np.repeat(np.cumsum(recorded) - recorded, recorded)
         in_row = np.repeat(first, recorded) + within
-        return write_table(windows.lent[token_rows], view.query_start[token_rows] + in_row,
-                           computed[token_rows] + in_row, windows.capacity[token_rows], windows.group,
-                           self.page_size)
+        where = (windows.lent[token_rows], view.query_start[token_rows] + in_row, computed[token_rows] + in_row,
+                 windows.capacity[token_rows], windows.group, self.page_size)
+        tables = write_table(*where)
+        return tables if self.slot_rows is None else (*tables, write_rows(*where, self.slot_rows))
 
     def _group(self, view: RunnerView, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
@@ -287,7 +291,7 @@ class StepBuilder:
                            ring_rows=self.rows.slot[table_rows] if windows.ring[rows[0]] else None,
                            token_starts=view.query_start[rows],
                            window=windows.step(rows, policy), row_options=row_options(self.rows.policies, policy, entries),
-                           to_device=self.staging.to_device)
+                           to_device=self.staging.to_device, slot_rows=self.slot_rows)
 
 
 def row_options(table: Any, policy: Policy, entries: np.ndarray) -> dict[str, np.ndarray]:
@@ -412,7 +416,8 @@ def return_window_pages(runner: Any, request_ids: list[str]) -> None:
                               scheduled=np.zeros(len(members), dtype=np.int64), seed=policies.seed[entries],
                               keep=None, ring_rows=None, token_starts=None, window=window,
                               row_options=row_options(policies, policy, entries),
-                              to_device=runner.evict_builder.staging.to_device)
+                              to_device=runner.evict_builder.staging.to_device,
+                              slot_rows=runner.evict_builder.slot_rows)
         nothing = flushed.seq_len[:0]
         plan = StepPlan(record=Record(pages=nothing, offsets=nothing, positions=nothing.to(torch.int32),
                                       ring_index=None), groups=[flushed], ring_positions=None)
