@@ -103,3 +103,21 @@ def test_packed_tiles_have_no_slot_rows():
     packed = PackedPages(flat, offsets, 2 * 4 * 16, 4)
     assert slot_row_view(packed, packed) is None  # type: ignore[arg-type]
     assert slot_row_view(torch.zeros(4, 2, 4, 8), torch.zeros(4, 2, 4, 8)) is None
+
+
+@pytest.mark.parametrize("layout", ["plain", "cpu_tiles", "stacked"])
+@pytest.mark.parametrize("width", [1, 31, 32, 70, 100])
+def test_whole_page_gathers_read_what_slot_gathers_read(layout, width):
+    """``paged.gather_tokens`` copies whole pages (index_select): the same values as the slot-by-slot
+    gather for every slot, including past a table that is narrower than the width (its last page)."""
+    from vllm_evict import paged
+
+    k, v = _cache(layout, num_pages=12, heads=2, page=32, dim=8)
+    k.copy_(torch.randn(k.shape)), v.copy_(torch.randn(v.shape))
+    positions = torch.randint(0, 1000, (12, 2, 32), dtype=torch.int32)
+    table = torch.tensor([[3, 7], [11, 2], [5, 5]], dtype=torch.int32)  # 2 pages: width 100 reads past them
+    for buffer in (k, v, positions):
+        pages, offsets = paged.slot_addresses(table, width, 32)
+        want = paged.gather_slots(buffer, pages, offsets)
+        got = paged.gather_tokens(buffer, table, width)
+        assert got.shape == want.shape and torch.equal(got, want)
