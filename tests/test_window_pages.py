@@ -65,19 +65,23 @@ def test_queries_come_back_as_written_and_nothing_else_is_touched(layout, group,
         for row in range(2):
             history[row, int(positions[row])] = query[row].view(heads * group, dim)
         where = (lent, np.arange(2), positions, cap, group, page)
-        k_cols, v_cols = write_table(*where)
-        row_cols = torch.from_numpy(write_rows(*where, rows)) if rows is not None else None
-        write_window_queries(cache, WindowWrites(torch.from_numpy(k_cols), torch.from_numpy(v_cols), row_cols),
-                             query, 2)
+        if rows is not None:
+            writes = WindowWrites(rows=torch.from_numpy(write_rows(*where, rows)), query_heads=heads * group)
+        else:
+            k_cols, v_cols = write_table(*where)
+            writes = WindowWrites(k=torch.from_numpy(k_cols), v=torch.from_numpy(v_cols))
+        write_window_queries(cache, writes, query, 2)
     seq_len = np.array([53, 113])
     count = np.array([width, width - 2])
     entries, qpos = window_entries(seq_len, count, cap)
     slots = slot_addresses(lent, entries, group, page)
-    read = WindowRead(pages=torch.from_numpy(slots.page.reshape(2, -1)),
-                      offsets=torch.from_numpy(slots.offset.reshape(2, -1)),
-                      in_v=torch.from_numpy(slots.in_v.reshape(2, -1)), positions=torch.from_numpy(qpos),
-                      rows=torch.from_numpy(rows.rows(slots).transpose(0, 1, 3, 2).reshape(2, -1))
-                      if rows is not None else None)
+    if rows is not None:
+        read = WindowRead(positions=torch.from_numpy(qpos),
+                          rows=torch.from_numpy(rows.rows(slots).transpose(0, 1, 3, 2).reshape(2, -1)))
+    else:
+        read = WindowRead(positions=torch.from_numpy(qpos), pages=torch.from_numpy(slots.page.reshape(2, -1)),
+                          offsets=torch.from_numpy(slots.offset.reshape(2, -1)),
+                          in_v=torch.from_numpy(slots.in_v.reshape(2, -1)))
     queries, positions = page_window(cache, read)
     assert queries.shape == (2, heads * group, width, dim)
     for row in range(2):

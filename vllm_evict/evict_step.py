@@ -118,14 +118,16 @@ class Record:
 
 @dataclass
 class WindowWrites:
-    """Window queries written into lent pages (engine/window_pages.py): for the slots in K halves and in
-    V halves, int64 [4, n] rows of (token in the step, member of the KV head's query group, page, offset)."""
+    """Window queries written into lent pages (engine/window_pages.py), in the one form the layers use:
+    ``rows`` where the layers have slot rows (``LayerCache.slot_rows``), int64 [3, m] (row, token in the
+    step, query head), one per slot and KV head (window_pages.write_rows); else ``k`` and ``v``, for the
+    slots in K halves and in V halves, int64 [4, n] (token in the step, member of the KV head's query
+    group, page, offset)."""
 
-    k: Tensor
-    v: Tensor
-    # The same slots as rows of ``LayerCache.slot_rows``: int64 [3, m] (row, token, query head), one per
-    # slot and KV head (window_pages.write_rows); None: the layers have no slot rows.
+    k: Tensor | None = None
+    v: Tensor | None = None
     rows: Tensor | None = None
+    query_heads: int = 0  # H_q (with ``rows``): the query heads of a token
 
     def sources(self, per_token: int) -> Tensor:
         """Each row's query as a row of ``query_rows`` (token * per_token + query head): one op."""
@@ -135,16 +137,16 @@ class WindowWrites:
 
 @dataclass
 class WindowRead:
-    """A group's windows as they wait in lent pages: the slots of each row's queries [R, M * G] (page,
-    offset, and whether in the V half) and the queries' logical positions [R, M] (-1: padding); ``rows``:
-    the same slots as rows of ``LayerCache.slot_rows``, [R, M * H_kv * G] in the order (entry, KV head,
-    member), or None."""
+    """A group's windows as they wait in lent pages, with the queries' logical positions [R, M] (-1:
+    padding), in the one form the layers use: ``rows``, the slots as rows of ``LayerCache.slot_rows``,
+    [R, M * H_kv * G] in the order (entry, KV head, member); else the slots of each row's queries
+    [R, M * G] (``pages``, ``offsets``, and whether in the V half, ``in_v``)."""
 
-    pages: Tensor
-    offsets: Tensor
-    in_v: Tensor
     positions: Tensor
     rows: Tensor | None = None
+    pages: Tensor | None = None
+    offsets: Tensor | None = None
+    in_v: Tensor | None = None
 
 
 @dataclass
@@ -289,17 +291,18 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     if window is not None and (window.reset or window.flush) and lent is not None and (window.queued > 0).any():
         entries, positions = window_entries(computed + scheduled, window.queued, window.capacity)
         slots = window_slot_addresses(lent, entries, window.group, page_size)
-        arrays["read"] = np.stack([slots.page.reshape(rows, -1), slots.offset.reshape(rows, -1),
-                                   slots.in_v.reshape(rows, -1)])
         arrays["read_positions"] = positions
         if slot_rows is not None:  # [R, M, G, H_kv] -> (entry, KV head, member)
             arrays["read_rows"] = slot_rows.rows(slots).transpose(0, 1, 3, 2).reshape(rows, -1)
+        else:
+            arrays["read"] = np.stack([slots.page.reshape(rows, -1), slots.offset.reshape(rows, -1),
+                                       slots.in_v.reshape(rows, -1)])
     options = row_options or {}
     names = sorted(options)
     if names:  # floats travel as the bits of their float64
         arrays["options"] = np.stack([options[n].astype(np.float64).view(np.int64) if options[n].dtype.kind == "f"
                                       else options[n].astype(np.int64) for n in names])
-    reads_mass = "window" in arrays or "read" in arrays
+    reads_mass = "window" in arrays or "read_positions" in arrays
     if reads_mass and window.gain is not None:  # the staging copies int64: the float32 gains travel as their bits
         arrays["gain"] = window.gain.astype(np.float32).view(np.int32).astype(np.int64)
     copied = dict(zip(arrays, to_device(*arrays.values())))  # one host-to-device copy for all of them
@@ -308,10 +311,12 @@ def build_group(policy: Policy, phase: Phase, block_table: Tensor, page_size: in
     window_tokens, window_positions = copied["window"].unbind(0) if "window" in copied else (None, None)
     window_gain = copied["gain"].to(torch.int32).view(torch.float32) if "gain" in copied else None
     window_read = None
-    if "read" in copied:
+    if "read_rows" in copied:
+        window_read = WindowRead(positions=copied["read_positions"], rows=copied["read_rows"])
+    elif "read" in copied:
         read_pages, read_offsets, read_in_v = copied["read"].unbind(0)
-        window_read = WindowRead(pages=read_pages, offsets=read_offsets, in_v=read_in_v.bool(),
-                                 positions=copied["read_positions"], rows=copied.get("read_rows"))
+        window_read = WindowRead(positions=copied["read_positions"], pages=read_pages, offsets=read_offsets,
+                                 in_v=read_in_v.bool())
     per_row = {n: copied["options"][i].view(torch.float64) if options[n].dtype.kind == "f" else copied["options"][i]
                for i, n in enumerate(names)}
     query_window = per_row.pop("query_window", None)
@@ -395,34 +400,35 @@ def query_rows(query: Tensor, num_tokens: int, heads: int, head_size: int) -> tu
 
 
 def write_window_queries(cache: LayerCache, writes: WindowWrites, query: Tensor, num_tokens: int) -> None:
-    """Window queries into lent pages: each (query, group member) into its slot of a K or V half, through
-    the same views the engine compacts K and V with (engine/window_pages.py), or as rows of the KV
-    storage (one gather, one scatter)."""
-    if writes.rows is not None and cache.slot_rows is not None and num_tokens:
-        rows, per_token = query_rows(query, num_tokens, cache.k.shape[1] * _group_size(cache, query), cache.k.shape[3])
+    """Window queries into lent pages: each (query, group member) into its slot of a K or V half, as rows
+    of the KV storage (one gather, one scatter), or through the same views the engine compacts K and V
+    with (engine/window_pages.py)."""
+    if not num_tokens:
+        return
+    if writes.rows is not None:  # the builder makes rows only when every layer has slot rows
+        assert cache.slot_rows is not None
+        rows, per_token = query_rows(query, num_tokens, writes.query_heads, cache.k.shape[3])
         values = rows.index_select(0, writes.sources(per_token))
         cache.slot_rows.index_copy_(0, writes.rows[0], values if values.dtype == cache.slot_rows.dtype
                                     else values.to(cache.slot_rows.dtype))
         return
     q = _query_groups(cache, query, num_tokens)
     for target, slots in ((cache.k, writes.k), (cache.v, writes.v)):
+        assert slots is not None
         token, member, page, offset = slots.unbind(0)
         values = q[token, :, member]  # [n, H_kv, d]
         target[page, :, offset] = values if values.dtype == target.dtype else values.to(target.dtype)
 
 
-def _group_size(cache: LayerCache, query: Tensor) -> int:
-    """Query heads per KV head (G), from the query's width."""
-    return query.view(query.shape[0], -1).shape[1] // (cache.k.shape[1] * cache.k.shape[3])
-
-
 def page_window(cache: LayerCache, read: WindowRead) -> tuple[Tensor, Tensor]:
     """The window queries waiting in lent pages, [R, H_q, M, d] (laid out as ``step_window``'s: a view of
     [R, M, H_q, d], so the kernels see one stride pattern), and their positions [R, M]."""
-    if read.rows is not None and cache.slot_rows is not None:
+    if read.rows is not None:  # the builder makes rows only when every layer has slot rows
+        assert cache.slot_rows is not None
         rows, entries = read.positions.shape
         grouped = cache.slot_rows.index_select(0, read.rows.view(-1)).view(rows, entries, -1, cache.k.shape[3])
         return grouped.permute(0, 2, 1, 3), read.positions
+    assert read.pages is not None and read.offsets is not None and read.in_v is not None
     k = cache.k[read.pages, :, read.offsets]  # [R, M * G, H_kv, d]
     v = cache.v[read.pages, :, read.offsets]
     slots = torch.where(read.in_v[:, :, None, None], v, k)

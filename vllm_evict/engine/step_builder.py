@@ -255,17 +255,20 @@ class StepBuilder:
         if staged:
             ring_index = copied[0]
             ring_tokens = copied[1] if len(staged) == 2 else None
-        window_writes = WindowWrites(*copied[len(staged):]) if writes else None  # (k, v[, rows])
+        window_writes = None
+        if writes:
+            window_writes = (WindowWrites(rows=copied[-1], query_heads=self.buffers.geometry.query_heads)
+                             if self.slot_rows is not None else WindowWrites(k=copied[-2], v=copied[-1]))
         return Record(pages=slots // self.page_size, offsets=slots % self.page_size,
                       positions=view.positions(num_tokens).to(torch.int32), ring_index=ring_index,
                       ring_tokens=ring_tokens, window_writes=window_writes)
 
     def _window_writes(self, view: RunnerView, computed: np.ndarray, scheduled: np.ndarray,
                        windows: RowWindows) -> tuple[np.ndarray, ...]:
-        """Where this step's window queries of rows with lent pages go: [4, n] (token, group member, page,
-        offset) for the slots in K halves and in V halves (both always, so that a layer's operations do
-        not depend on where the step's entries fall), and, where the slots are rows, [3, m] (row, token,
-        query head)."""
+        """Where this step's window queries of rows with lent pages go: where the slots are rows, [3, m]
+        (row, token, query head); else [4, n] (token, group member, page, offset) for the slots in K halves
+        and in V halves (both always, so that a layer's operations do not depend on where the step's
+        entries fall)."""
         rows = np.nonzero(windows.to_pages)[0]
         recorded = windows.recorded[rows]
         token_rows = np.repeat(rows, recorded)
@@ -274,8 +277,7 @@ class StepBuilder:
         in_row = np.repeat(first, recorded) + within
         where = (windows.lent[token_rows], view.query_start[token_rows] + in_row, computed[token_rows] + in_row,
                  windows.capacity[token_rows], windows.group, self.page_size)
-        tables = write_table(*where)
-        return tables if self.slot_rows is None else (*tables, write_rows(*where, self.slot_rows))
+        return write_table(*where) if self.slot_rows is None else (write_rows(*where, self.slot_rows),)
 
     def _group(self, view: RunnerView, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
                computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
