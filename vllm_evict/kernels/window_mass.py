@@ -167,22 +167,16 @@ def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, 
                 tl.store(out_row + g * o_s_g + slots, zeros, mask=smask)
 
 
-def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
-                scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
-                per_query_head: bool = False, block_n: int = 64, block_w: int = 16) -> Tensor:
-    """Triton ``paged.window_mass``: fp32 [R, H_kv, width] (summed over the GQA group) or
-    [R, H_kv, G, width] with ``per_query_head``.
-
-    k_cache [num_pages, H_kv, bs, d] view; block_table [R, pages]; lengths [R]; queries [R, W, H_q, d];
-    query_positions [R, W] (-1: empty entry); positions [num_pages, H_kv, bs] logical position of every
-    slot; gain None or fp32 [R, W]. Index tensors int32 or int64; any strides everywhere."""
+def _validate(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
+              positions: Tensor, gain: Tensor | None) -> int:
+    """Check the pass's inputs (shapes, index dtypes); returns the GQA group size G."""
     for name, t in (("block_table", block_table), ("lengths", lengths), ("query_positions", query_positions),
                     ("positions", positions)):
         check_index(name, t)
     rows, h_kv = lengths.shape[0], k_cache.shape[1]
     if queries.dim() != 4 or queries.shape[0] != rows:
         raise ValueError(f"queries must be [R, W, H_q, d] with R = {rows}, got shape {tuple(queries.shape)}")
-    w, h_q, d = queries.shape[1:]
+    w, h_q = queries.shape[1], queries.shape[2]
     if query_positions.shape != (rows, w):
         raise ValueError(f"query_positions must be [R, W] = [{rows}, {w}], got shape {tuple(query_positions.shape)}")
     if gain is not None and gain.shape != (rows, w):
@@ -192,15 +186,18 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
     if positions.dim() != 3 or positions.shape != k_cache.shape[:3]:
         raise ValueError(f"positions must be [num_pages, H_kv, page_size] = {tuple(k_cache.shape[:3])}, "
                          f"got shape {tuple(positions.shape)}")
-    group = h_q // h_kv
+    return h_q // h_kv
+
+
+def _lse_pass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
+              scale: float, positions: Tensor, width: int, gain: Tensor | None, group: int, block_n: int,
+              block_w: int) -> tuple[tuple, tuple, dict]:
+    """The first pass (each query's log-sum-exp over its visible keys), launched; returns the arguments
+    the column-sum pass shares with it (leading arguments, trailing geometry, meta-parameters)."""
+    rows, w, h_q, d = lengths.shape[0], queries.shape[1], queries.shape[2], queries.shape[3]
     bt_s_r, bt_s_p = table_strides(block_table, rows)
-    device = k_cache.device
-    shape = (rows, h_kv, group, width) if per_query_head else (rows, h_kv, width)
-    if width == 0 or rows == 0 or w == 0:  # no key or no query: no mass
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    out = torch.empty(shape, dtype=torch.float32, device=device)
     s_blk, s_head, s_tok, s_dim, _ = view_strides(k_cache)
-    lse = torch.empty((rows, w, h_q), dtype=torch.float32, device=device)
+    lse = torch.empty((rows, w, h_q), dtype=torch.float32, device=k_cache.device)
     gain_t, g_s_r, g_s_w = (gain, gain.stride(0), gain.stride(1)) if gain is not None else (lse, 0, 0)
     upcast = needs_upcast(queries, k_cache)
     prec = "ieee" if upcast else dot_precision(queries, k_cache)
@@ -210,11 +207,30 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
     geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
     # fp32 dot operands multiply without tensor cores: with 4 warps the 64-key tile spills at head size 128
     # (measured with benchmarks/triton_aot.py for sm_90); 8 warps hold it. bf16/fp16 fit in 4.
-    warps = 8 if prec == "ieee" else 4
     meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
-                BLOCK_D=block_d(d), num_warps=warps)
+                BLOCK_D=block_d(d), num_warps=8 if prec == "ieee" else 4)
     _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](
         *common, w, width, float(scale), group, *geometry, **meta)
+    return common, geometry, meta
+
+
+def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
+                scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
+                per_query_head: bool = False, block_n: int = 64, block_w: int = 16) -> Tensor:
+    """Triton ``paged.window_mass``: fp32 [R, H_kv, width] (summed over the GQA group) or
+    [R, H_kv, G, width] with ``per_query_head``.
+
+    k_cache [num_pages, H_kv, bs, d] view; block_table [R, pages]; lengths [R]; queries [R, W, H_q, d];
+    query_positions [R, W] (-1: empty entry); positions [num_pages, H_kv, bs] logical position of every
+    slot; gain None or fp32 [R, W]. Index tensors int32 or int64; any strides everywhere."""
+    group = _validate(k_cache, block_table, lengths, queries, query_positions, positions, gain)
+    rows, h_kv, w = lengths.shape[0], k_cache.shape[1], queries.shape[1]
+    shape = (rows, h_kv, group, width) if per_query_head else (rows, h_kv, width)
+    if width == 0 or rows == 0 or w == 0:  # no key or no query: no mass
+        return torch.zeros(shape, dtype=torch.float32, device=k_cache.device)
+    out = torch.empty(shape, dtype=torch.float32, device=k_cache.device)
+    common, geometry, meta = _lse_pass(k_cache, block_table, lengths, queries, query_positions, scale, positions,
+                                       width, gain, group, block_n, block_w)
     o_s_g = out.stride(2) if per_query_head else 0
     _window_colsum_kernel[(rows, h_kv, triton.cdiv(width, block_n))](
         *common, out, out.stride(0), out.stride(1), o_s_g, w, width, float(scale), group, *geometry,
@@ -234,26 +250,11 @@ def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, 
     rows, w = lengths.shape[0], queries.shape[1]
     if width == 0 or rows == 0 or w == 0:
         return
-    for name, t in (("block_table", block_table), ("lengths", lengths), ("query_positions", query_positions),
-                    ("positions", positions)):
-        check_index(name, t)
-    h_q, d = queries.shape[2], queries.shape[3]
-    group = h_q // k_cache.shape[1]
+    group = _validate(k_cache, block_table, lengths, queries, query_positions, positions, gain)
     if per_query_head and state.shape[3] != group:
         raise ValueError(f"a per-query-head state needs {group} entries per token, got {state.shape[3]}")
-    bt_s_r, bt_s_p = table_strides(block_table, rows)
-    s_blk, s_head, s_tok, s_dim, _ = view_strides(k_cache)
-    lse = torch.empty((rows, w, h_q), dtype=torch.float32, device=k_cache.device)
-    gain_t, g_s_r, g_s_w = (gain, gain.stride(0), gain.stride(1)) if gain is not None else (lse, 0, 0)
-    upcast = needs_upcast(queries, k_cache)
-    prec = "ieee" if upcast else dot_precision(queries, k_cache)
-    common = (k_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), queries, *queries.stride(),
-              query_positions, *query_positions.stride(), gain_t, g_s_r, g_s_w, positions, *positions.stride(),
-              lse, lse.stride(0), lse.stride(1))
-    geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
-    meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
-                BLOCK_D=block_d(d), num_warps=8 if prec == "ieee" else 4)
-    _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](*common, w, width, float(scale), group, *geometry, **meta)
+    common, geometry, meta = _lse_pass(k_cache, block_table, lengths, queries, query_positions, scale, positions,
+                                       width, gain, group, block_n, block_w)
     # A per-query-head state's strides are the per-token ones scaled by G (its last axis is contiguous).
     per_token = [st // (group if per_query_head else 1) for st in state.stride()[:3]]
     # The read-modify-write of the state with a logit gain spills at 4 warps in bf16/fp16 (8 bytes, sm_90,
