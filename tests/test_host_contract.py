@@ -1249,12 +1249,13 @@ def _cases() -> list[Any]:
                                                "no longer keeps its host copy as self.np"))
     add("V2.StagedWriteTensor.stage_write", expect_params(f"{V2}.buffer_utils.StagedWriteTensor.stage_write", "self",
                                                           "index", "start", "x"))
-    add("V2.BlockTables:block_tables,num_blocks,slot_mappings", lambda: [expect_source(
+    add("V2.BlockTables:block_tables,num_blocks,slot_mappings,block_sizes", lambda: [expect_source(
         f"{V2}.block_table.BlockTables.__init__", pattern, what)() for pattern, what in (
             (r"self\.block_tables: list\[StagedWriteTensor\]", "no longer keeps one StagedWriteTensor per group"),
             (r"self\.num_blocks = UvaBackedTensor\(\s*\(self\.num_kv_cache_groups, self\.max_num_reqs\)",
              "no longer keeps the row lengths as a [groups, max_num_reqs] UvaBackedTensor"),
-            (r"self\.slot_mappings = torch\.zeros\(", "no longer keeps a persistent slot-mapping buffer"))])
+            (r"self\.slot_mappings = torch\.zeros\(", "no longer keeps a persistent slot-mapping buffer"),
+            (r"self\.block_sizes = block_sizes\b", "no longer keeps each group's page size as self.block_sizes"))])
     add("V2.BlockTables.append_block_ids:appends_at_num_blocks", expect_source(
         f"{V2}.block_table.BlockTables.append_block_ids",
         r"start = self\.num_blocks\.np\[i, req_index\] if not overwrite else 0",

