@@ -550,12 +550,31 @@ def scenario_for(name: str, variants: str | None) -> Scenario:
     """Scenario ``name``, with only vanilla and the ``variants`` named (comma-separated; None: all)."""
     scenario = scenarios()[name]
     if variants:
-        wanted = {"vanilla", *(v.strip() for v in variants.split(","))}
-        unknown = wanted - {v.name for v in scenario.variants}
+        known = [v.name for v in scenario.variants]
+        wanted = {"vanilla", *variant_names(variants, known)}
+        unknown = wanted - set(known)
         if unknown:
-            raise SystemExit(f"{name} has no variant(s) {sorted(unknown)}; it has {[v.name for v in scenario.variants]}")
+            raise SystemExit(f"{name} has no variant(s) {sorted(unknown)}; it has {known}")
         scenario.variants = [v for v in scenario.variants if v.name in wanted]
     return scenario
+
+
+def variant_names(text: str, known: list[str]) -> list[str]:
+    """The names in the comma-separated ``text``, where a name may itself hold commas ("snapkv 256, slack
+    1 page"): consecutive pieces are joined while they spell the start of a known name."""
+    pieces = [p.strip() for p in text.split(",")]
+    names: list[str] = []
+    i = 0
+    while i < len(pieces):
+        name, j = pieces[i], i + 1
+        for k in range(len(pieces), i + 1, -1):  # the longest run of pieces that is a known name
+            joined = ", ".join(pieces[i:k])
+            if joined in known:
+                name, j = joined, k
+                break
+        names.append(name)
+        i = j
+    return names
 
 
 def select_runner(runner: str) -> None:

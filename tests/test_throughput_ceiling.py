@@ -56,3 +56,17 @@ def test_every_engine_step_of_a_run_is_timed(bench, smollm2_path) -> None:
     assert evicting["steps"][0].eviction > 0.0
     assert all(0.0 <= s.eviction < s.seconds for s in evicting["steps"])
     assert evicting["eviction_s"] == sum(s.eviction for s in evicting["steps"])
+
+
+def test_variants_are_picked_by_names_that_hold_commas(bench) -> None:
+    """``--variants`` is comma-separated, and some variant names hold commas themselves."""
+    decode = [v.name for v in bench.scenarios()["decode"].variants]
+    assert bench.variant_names("snapkv 256, slack 1 page", decode) == ["snapkv 256, slack 1 page"]
+    both = "snapkv 256, slack 1 page,snapkv 256, slack 1 page, windows accumulated"
+    assert bench.variant_names(both, decode) == ["snapkv 256, slack 1 page",
+                                                 "snapkv 256, slack 1 page, windows accumulated"]
+    assert bench.variant_names("snapkv 256,keydiff 256", ["snapkv 256", "keydiff 256"]) == ["snapkv 256", "keydiff 256"]
+    scenario = bench.scenario_for("decode", "snapkv 256, slack 1 page")
+    assert [v.name for v in scenario.variants] == ["vanilla", "snapkv 256, slack 1 page"]
+    with pytest.raises(SystemExit, match=r"decode has no variant\(s\) \['snapkv 999'\]"):
+        bench.scenario_for("decode", "snapkv 999")
