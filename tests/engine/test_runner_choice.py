@@ -74,7 +74,7 @@ def test_both_runners_keep_the_same_tokens(tiny_llama, engine_factory, runner_en
         assert all(a.shape[-1] <= eviction["budget"] + 40 for a in kept_2[request])
 
 
-def test_v2_physical_slot_mapping_on_cpu_is_vllms(tiny_llama):
+def test_v2_physical_slot_mapping_on_cpu_is_vllms():
     """On the CPU the V2 runner recomputes a step's slot mapping from physical positions with torch ops
     (``runner_v2.physical_slot_mapping``) instead of a second launch of vLLM's interpreted kernel: the same
     slots as ``BlockTables.compute_slot_mappings``, and the padding after them untouched."""
@@ -103,8 +103,8 @@ def test_v2_physical_slot_mapping_on_cpu_is_vllms(tiny_llama):
     expected = tables.compute_slot_mappings(torch.from_numpy(idx_mapping), start, positions,
                                             num_tokens_padded=32)[0].clone()
     tables.slot_mappings[0, : len(positions)] = -7  # what a first, logical computation left there
-    physical_slot_mapping(tables, torch.from_numpy(np.repeat(idx_mapping, scheduled).astype(np.int64)), positions)
+    rows = torch.from_numpy(np.repeat(idx_mapping, scheduled).astype(np.int64))  # each token's request slot
+    physical_slot_mapping(tables, rows, positions)
     assert torch.equal(tables.slot_mappings[0, :32], expected)
-    rows = np.repeat(idx_mapping, scheduled)
-    by_hand = table[torch.from_numpy(rows).long(), positions // page].long() * page + positions % page
+    by_hand = table[rows, positions // page].long() * page + positions % page
     assert torch.equal(expected[: len(positions)], by_hand)
