@@ -74,7 +74,8 @@ models: install
 # again on Model Runner V2 (tests/conftest.py, VLLM_EVICT_TEST_RUNNER; docs/engine.md#the-two-model-runners)
 # the tests of what V2 changes for eviction: how a step's lengths, positions, slots and pages reach the
 # eviction step (kept tokens against the reference, requests mixed in one batch), its padding slots,
-# the window pages, preemption and aborts, host syncs, and the stats V2 reports. On CPU every V2 step
+# the window pages, preemption and aborts, host syncs, the stats V2 reports, and the copies prefix caching
+# puts in a request's block table. On CPU every V2 step
 # runs V2's own Triton kernels in Triton's interpreter, which made the whole engine suite on V2 a 20-minute
 # pass; the policies' eviction step (evict_step) is the same code on both runners, so the rest of
 # tests/engine runs once, on V1.
@@ -83,7 +84,8 @@ V2_TESTS := tests/engine/test_reference_agreement.py tests/engine/test_mixed_bat
             tests/engine/test_lifecycle.py::test_preemption_recompute_with_eviction \
             tests/engine/test_lifecycle.py::test_abort_returns_every_page \
             "tests/engine/test_step_syncs.py::test_no_step_of_any_policy_synchronises[True]" \
-            tests/engine/test_runner_choice.py tests/server/test_metrics.py tests/server/test_request_stats.py
+            tests/engine/test_runner_choice.py tests/server/test_metrics.py tests/server/test_request_stats.py \
+            tests/engine/test_prefix_caching.py::test_no_hashed_page_is_written
 
 test: install models
 	$(PY) -m pytest -q --durations=15 tests

@@ -6,6 +6,8 @@
     python benchmarks/throughput.py mixed     # passkey prompts and short chats, a pool at half the demand
     python benchmarks/throughput.py configs   # 32 requests with a config each (seeds, budgets, windows) vs identical
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
+    python benchmarks/throughput.py shared    # 32 x (512 shared + 512 private + 128), prefix caching on, ample pool
+    python benchmarks/throughput.py shared-short  # the same through a pool of a quarter of vanilla's demand
     python benchmarks/throughput.py all --json results.json --plot modes.png
     python benchmarks/throughput.py --replot results.json --plot modes.png   # redraw without measuring
     python benchmarks/throughput.py spare --runner both   # V1 and Model Runner V2 side by side
@@ -59,6 +61,7 @@ class Variant:
     env: dict[str, str] = field(default_factory=dict)  # environment of the engine's start-up
     # Per-request settings (SamplingParams.extra_args) of request i, e.g. its own seed or budget.
     per_request: Callable[[int], dict[str, Any]] | None = None
+    prefix_caching: bool | None = None  # None: the scenario's
 
 
 # Decode windows accumulated query by query instead of waiting in lent KV pages (the default).
@@ -79,6 +82,10 @@ class Scenario:
     # True: every variant gets a KV pool of ``pool_tokens`` (eviction's buffers come on top: measures the
     # time eviction costs); False: every variant gets the same memory (eviction's buffers come out of it).
     equal_pool: bool = False
+    # The first ``shared_prefix`` tokens of every prompt are the same (a system prompt); ``prefix_caching``:
+    # vLLM's prefix caching (its default: on) for every variant that does not say otherwise.
+    shared_prefix: int = 0
+    prefix_caching: bool = True
 
 
 PAGE = 32
@@ -129,6 +136,21 @@ def scenarios() -> dict[str, Scenario]:
                                   {"seed": i, "window": (8, 16, 24, 32)[i % 4]})})]),
         # 16 passkey prompts (~540 tokens, the quality smoke prompts) and 16 short ones generating 128
         # tokens: a demand of about 12k tokens through a pool of half that.
+        # 32 requests = one 512-token system prompt + 512 private tokens, generating 128 (the 64 x
+        # (1,024 + 1,024 + 256) at a quarter of the work, which this 2-core machine runs in minutes, not an
+        # hour); vLLM's prefix caching on (its default) unless a variant turns it off. "shared": a pool for
+        # every request at once without sharing; "shared-short": a quarter of what vanilla holds with sharing.
+        **{name: Scenario(
+            name, requests=32, prompt=1024, generate=128, pool_tokens=pool, chunk=2048, shared_prefix=512,
+            equal_pool=True,
+            variants=[Variant("vanilla", None),
+                      Variant("vanilla, no prefix caching", None, prefix_caching=False),
+                      Variant("snapkv 256", {"policy": "snapkv", "budget": 256}),
+                      Variant("snapkv 256, no prefix caching", {"policy": "snapkv", "budget": 256},
+                              prefix_caching=False)],
+            targets=targets)
+           for name, pool, targets in (("shared", 32 * (1024 + 128) + 8 * PAGE, {"snapkv 256": 0.95}),
+                                       ("shared-short", (512 + 32 * (512 + 128)) // 4, {"snapkv 256": 1.0}))},
         "mixed": Scenario(
             "mixed", requests=32, prompt=64, generate=128, pool_tokens=6144, chunk=2048, passkeys=16,
             variants=[Variant("vanilla", None),
@@ -180,7 +202,8 @@ def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_s
     if scenario.equal_pool and variant.eviction is not None:
         memory += buffer_bytes(model, dtype, pool, variant.eviction, max_num_seqs) + PAGE * token_bytes(model, dtype)
     kwargs: dict[str, Any] = dict(
-        model=model, dtype=dtype, enforce_eager=True, block_size=PAGE, seed=0, enable_prefix_caching=False,
+        model=model, dtype=dtype, enforce_eager=True, block_size=PAGE, seed=0,
+        enable_prefix_caching=scenario.prefix_caching if variant.prefix_caching is None else variant.prefix_caching,
         max_model_len=max(scenario.prompt, 1024 if scenario.passkeys else 0) + scenario.generate + PAGE,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=scenario.chunk, kv_cache_memory_bytes=memory,
@@ -221,7 +244,9 @@ def passkey_prompts(count: int) -> list[tuple[str, str]]:
 def prompts_for(scenario: Scenario, vocab: int, seed: int = 0) -> list[Any]:
     rng = random.Random(seed)
     passkeys = [prompt for prompt, _ in passkey_prompts(scenario.passkeys)] if scenario.passkeys else []
-    return passkeys + [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(scenario.prompt)]}
+    shared = [rng.randrange(10, vocab - 10) for _ in range(scenario.shared_prefix)]
+    private = scenario.prompt - scenario.shared_prefix
+    return passkeys + [{"prompt_token_ids": shared + [rng.randrange(10, vocab - 10) for _ in range(private)]}
                        for _ in range(scenario.requests - len(passkeys))]
 
 
@@ -264,7 +289,11 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
         tokens = sum(len(o.prompt_token_ids) for o in outputs) + generated
         keys = [key for _, key in passkey_prompts(scenario.passkeys)] if scenario.passkeys else []
         hits = sum(key in o.outputs[0].text for key, o in zip(keys, outputs))
+        shared = scenario.requests * scenario.shared_prefix
+        shared_hits = sum(min(o.num_cached_tokens or 0, scenario.shared_prefix) for o in outputs)
         return dict(seconds=elapsed, tokens_per_s=tokens / elapsed, preemptions=preempted(),
+                    cached_tokens=sum(o.num_cached_tokens or 0 for o in outputs),
+                    shared_hit_rate=shared_hits / shared if shared else None,
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
                     compressions=sum(s.compressions for s in timed), passkey_hits=hits,
                     eviction_s=sum(s.eviction for s in timed), triton_s=triton_s[0],
@@ -381,7 +410,8 @@ def summarize(scenario: Scenario, results: dict[str, list[dict[str, Any]]]) -> d
             compressions=runs[0]["compressions"], passkey_hits=runs[0]["passkey_hits"],
             seconds=statistics.median(r["seconds"] for r in runs),
             eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name),
-            triton_s=statistics.median(r.get("triton_s", 0.0) for r in runs))
+            triton_s=statistics.median(r.get("triton_s", 0.0) for r in runs),
+            cached_tokens=runs[0].get("cached_tokens", 0), shared_hit_rate=runs[0].get("shared_hit_rate"))
     ceiling = min(ceilings, key=lambda c: c["ceiling"]) if ceilings else None
     return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary,
                 ceiling=ceiling)
@@ -399,15 +429,19 @@ def format_scenario(out: dict[str, Any]) -> str:
              "",
              "| variant | total tokens/s (median) | x vanilla | target | runs | seconds (of them evicting) "
              "| preemptions | elastic compressions | pool pages | same tokens as vanilla |"
-             + (" passkey hits |" if s["passkeys"] else ""),
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")]
+             + (" passkey hits |" if s["passkeys"] else "")
+             + (" prefix-cache hits: of the shared part (tokens) |" if s.get("shared_prefix") else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")
+             + ("---|" if s.get("shared_prefix") else "")]
     for name, r in out["results"].items():
         target = f">= {r['target']}" if r["target"] else ""
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | "
                      f"{r['seconds']:.1f} ({r['eviction_s']:.1f}) | "
                      f"{r['preemptions']} | {r['compressions']} | {r['pool_pages']} | "
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
-                     + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else ""))
+                     + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else "")
+                     + (f" {100 * (r.get('shared_hit_rate') or 0):.1f}% ({r.get('cached_tokens', 0)}) |"
+                        if s.get("shared_prefix") else ""))
     if any(r.get("triton_s") for r in out["results"].values()):
         lines += ["", "Of each variant's seconds, in Triton kernels run by Triton's interpreter (Model Runner V2 "
                   "on CPU), and its ratio to vanilla without them: " + "; ".join(
@@ -652,7 +686,7 @@ def format_host(rows: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "configs", "host", "all"])
+    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "configs", "host", "shared", "shared-short", "all"])
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")

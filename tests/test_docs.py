@@ -383,7 +383,6 @@ def startup_refusals() -> list[str]:
     builds: list[Callable[[], Any]] = [
         lambda: check_vllm_version({"vllm": "0.34.0"}, environ={}),
         lambda: guards.configure_engine_args(args(speculative_config={"method": "ngram"}), on_cpu=True),
-        lambda: guards.configure_engine_args(args(enable_prefix_caching=True), on_cpu=True),
         lambda: guards.configure_engine_args(args(pipeline_parallel_size=2), on_cpu=True),
         lambda: guards.check_kv_cache_dtype("fp8"),
         lambda: guards.check_context_parallel(2, 1),

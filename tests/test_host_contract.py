@@ -489,6 +489,15 @@ def check_req_to_blocks_and_free_blocks(h: Host) -> None:
         f"{free_before} to {pool.get_num_free_blocks()}")
 
 
+def check_kv_cache_block() -> None:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    block = KVCacheBlock(3)
+    got = {name: getattr(block, name, "<missing>") for name in ("block_id", "ref_cnt", "block_hash", "is_null")}
+    assert got == {"block_id": 3, "ref_cnt": 0, "block_hash": None, "is_null": False}, (
+        f"vLLM changed KVCacheBlock: a new block reads {got}")
+
+
 def check_scheduler_output_extra_attribute(h: Host) -> None:
     from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -1032,10 +1041,41 @@ def _cases() -> list[Any]:
         resolve("vllm.v1.core.sched.async_scheduler.AsyncScheduler"), resolve(SCHEDULER))
         or pytest.fail("vLLM changed AsyncScheduler: no longer a Scheduler subclass"))
     # With async scheduling vLLM caches a request's blocks as its outputs arrive (logical counts, which
-    # eviction's physical pages do not follow): a no-op, as prefix caching is off with eviction.
+    # eviction's physical pages do not follow): the eviction manager's cache_blocks skips every request that
+    # has written into its cache (engine/prefix_sharing.py), and without prefix caching it does nothing.
     add("KVCacheManager.cache_blocks:only_with_prefix_caching", expect_source(
         f"{KV_MANAGER}.cache_blocks", r"if self\.enable_caching:",
-        "cache_blocks no longer does nothing without prefix caching (which eviction turns off)"))
+        "cache_blocks no longer does nothing without prefix caching"))
+    add("KVCacheManager.cache_blocks", expect_params(f"{KV_MANAGER}.cache_blocks", "self", "request",
+                                                     "num_computed_tokens"))
+    # prefix caching with eviction (engine/prefix_sharing.py, EvictKVCacheManagerMixin.allocate_slots)
+    add("KVCacheManager.allocate_slots:hit_arguments", expect_params(
+        f"{KV_MANAGER}.allocate_slots", "self", "request", "num_new_tokens", "num_new_computed_tokens",
+        "new_computed_blocks", "num_lookahead_tokens", prefix=True))
+    add("Scheduler:allocate_slots_hit_keywords", expect_source(
+        SCHEDULER, r"num_new_computed_tokens=num_new_local_computed_tokens,\s*new_computed_blocks=new_computed_blocks",
+        "the scheduler no longer passes a new request's prefix-cache hit to allocate_slots by keyword"))
+    add("KVCacheManager.allocate_slots:delay_cache_blocks_hashes_nothing", expect_source(
+        f"{KV_MANAGER}.allocate_slots",
+        r"if delay_cache_blocks:\s*return self\.create_kv_cache_blocks\(new_blocks\)[\s\S]*"
+        r"self\.coordinator\.cache_blocks\(request",
+        "allocate_slots(delay_cache_blocks=True) may hash pages (a private request's would name wrong tokens)"))
+    add("KVCacheManager.prefix_cache_lookup_enabled:skip_reading_prefix_cache", expect_source(
+        f"{KV_MANAGER}.prefix_cache_lookup_enabled", r"not request\.skip_reading_prefix_cache",
+        "Request.skip_reading_prefix_cache no longer keeps a request off the prefix cache"))
+    add("KVCacheManager.__init__:enable_caching+watermark_blocks", expect_source(
+        f"{KV_MANAGER}.__init__", r"self\.enable_caching = enable_caching[\s\S]*self\.watermark_blocks = ",
+        "KVCacheManager no longer keeps watermark_blocks and enable_caching"))
+    for name in ("get_new_blocks", "free_blocks", "evict_blocks", "is_block_writable"):
+        add(f"BlockPool.{name}", expect_attr(f"vllm.v1.core.block_pool.BlockPool.{name}"))
+    add("BlockPool.free_blocks:hashed_pages_stay_cached", expect_source(
+        "vllm.v1.core.block_pool.BlockPool.free_blocks", r"blocks_to_evict_last\.append\(block\)",
+        "free_blocks no longer keeps a freed hashed page in the prefix cache"))
+    add("BlockPool.is_block_writable:unhashed_and_unshared", expect_source(
+        "vllm.v1.core.block_pool.BlockPool.is_block_writable",
+        r"not block\.is_null and block\.ref_cnt == 1 and block\.block_hash is None",
+        "is_block_writable no longer means: one holder, no hash"))
+    add("KVCacheBlock:ref_cnt,block_hash,is_null,block_id", check_kv_cache_block)
     add("VllmConfig.max_concurrent_batches:one_step_in_flight", check_one_step_in_flight)
     add("EngineCore.step_with_batch_queue:schedules_before_the_last_output", expect_order(
         "vllm.v1.engine.core.EngineCore.step_with_batch_queue", r"self\.scheduler\.schedule\(",

@@ -192,6 +192,9 @@ class StepPlan:
     groups: list[Group]
     ring_positions: Tensor | None  # int64 [slots, W]: position of each ring entry, -1 when empty
     zero_states: tuple[str, ...] = ()  # states that start at 0 (written for all layers by record_step)
+    # Prefix caching (engine/prefix_sharing.py): int64 [n] original pages and [n] their copies, copied in
+    # every layer after its attention and before anything else is written (None: no copy this step).
+    copies: tuple[Tensor, Tensor] | None = None
 
 
 # ---- building a step (host side, once per step) ---------------------------------------------------
@@ -346,6 +349,14 @@ def record_step(positions: Tensor, states: dict[str, Tensor], plan: StepPlan) ->
     if plan.ring_positions is not None and rec.ring_index is not None:
         written = rec.positions if rec.ring_tokens is None else rec.positions.index_select(0, rec.ring_tokens)
         plan.ring_positions.view(-1).index_copy_(0, rec.ring_index, written.long())
+
+
+def copy_pages(cache: LayerCache, copies: tuple[Tensor, Tensor]) -> None:
+    """Copy whole pages of one layer (K, V, positions and every state) from ``copies[0]`` to
+    ``copies[1]``: a request leaving a shared or hashed page keeps what it held, the page stays as it was."""
+    src, dst = copies
+    for buffer in (cache.k, cache.v, cache.positions, *cache.state.values()):
+        buffer[dst] = buffer[src]
 
 
 def tokens_view(x: Tensor, num_tokens: int, heads: int, head_size: int) -> Tensor:

@@ -2,7 +2,8 @@
 
 ``configure_engine_args`` runs on the user's ``EngineArgs`` before vLLM builds its config: it refuses
 options eviction cannot work with (each message names the flag to change) and sets what it needs
-(its scheduler and worker, no prefix caching, attention outside CUDA graphs). Async scheduling stays as
+(its scheduler and worker, attention outside CUDA graphs). Prefix caching stays as vLLM resolves it:
+engine/prefix_sharing.py keeps every page a prefix match can return unwritten. Async scheduling stays as
 vLLM resolves it: the eviction scheduler has an async variant (engine/scheduler.py).
 The model runner is the one vLLM chooses (Model Runner V2 where vLLM defaults to it, the V1 runner
 where it falls back or where ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for it): the worker hooks either.
@@ -41,9 +42,6 @@ def configure_engine_args(engine_args: Any, *, on_cpu: bool | None = None) -> No
         raise ValueError("KV eviction does not support speculative decoding; drop --speculative-config "
                          "or --kv-eviction")
     check_kv_cache_dtype(engine_args.kv_cache_dtype)
-    if engine_args.enable_prefix_caching:
-        raise ValueError("KV eviction rewrites cached pages in place, which prefix caching cannot share; "
-                         "drop --enable-prefix-caching (it is turned off automatically with --kv-eviction)")
     if getattr(engine_args, "pipeline_parallel_size", 1) > 1:
         raise ValueError("KV eviction does not support pipeline parallelism yet; use tensor parallelism")
     check_context_parallel(getattr(engine_args, "decode_context_parallel_size", 1),
@@ -51,8 +49,6 @@ def configure_engine_args(engine_args: Any, *, on_cpu: bool | None = None) -> No
     check_kv_transfer(getattr(engine_args, "kv_transfer_config", None),
                       getattr(engine_args, "kv_offloading_size", None))
     check_micro_batching(getattr(engine_args, "enable_dbo", False), getattr(engine_args, "ubatch_size", 0))
-    logger.info("vllm_evict: prefix caching is off with KV eviction")
-    engine_args.enable_prefix_caching = False
     engine_args.scheduler_cls = SCHEDULER_CLS  # with async scheduling, its async variant (plugin.py)
     if on_cpu is None:
         from vllm.platforms import current_platform

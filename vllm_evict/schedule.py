@@ -12,6 +12,7 @@ from vllm_evict.policies.base import Phase
 
 if TYPE_CHECKING:
     from vllm_evict.config import EvictionConfig
+    from vllm_evict.policies.base import Policy
 
 SCHEDULES = ("chunked", "oneshot")
 
@@ -170,3 +171,39 @@ def longest_bound(config: "EvictionConfig", *, max_model_len: int, page_size: in
     """``longest_request_bound`` under ``config``: what the start-up memory check must fit."""
     return longest_request_bound(max_model_len=max_model_len, budget=config.budget,
                                  schedule=_bound_schedule(config), slack=config.slack_for(page_size), chunk=chunk)
+
+
+# ---- prefix caching: the first step that changes a request's cached tokens --------------------------
+def changes_cached_tokens(policy: "Policy", config: "EvictionConfig", *, tokens_before: int, num_new: int,
+                          prompt_len: int, phys_before: int, page_size: int) -> bool:
+    """Whether the workers may write, in this step, into slots the request filled in earlier steps, or
+    into this step's own slots after the attention wrote them: an eviction (compaction, and the window's
+    reset), or a window query adding its mass to every cached token's state; a policy that updates every
+    token's state at every step, and elastic mode, always. Prefix caching shares a request's pages only
+    until this is true (engine/prefix_sharing.py). It may say so early (an earlier private copy), never
+    late: O(1) scalar bounds of ``eviction_target`` and ``window_end`` with the widest window
+    (``Policy.window_for``), run per scheduled request while it shares."""
+    if config.elastic or policy.needs_every_step:
+        return True
+    phys_after = phys_before + num_new
+    phase = phase_of(tokens_before, num_new, prompt_len)
+    slack = config.slack_for(page_size)
+    if eviction_target(phys_after=phys_after, phase=phase, budget=config.budget, schedule=config.schedule,
+                       slack=slack) is not None:
+        return True
+    if not policy.accumulates_window:
+        return False
+    width = policy.window_for(config.budget)
+    decode_end = config.budget + slack  # the first decode eviction, where a decode window ends
+    if phase is Phase.DECODE:
+        return policy.window_in_decode and phys_after > decode_end - width
+    # A prompt step (nothing evicted before it, so physical = logical): its queries join a window that ends
+    # at the prompt's end (a one-shot eviction there, or a policy reading its window there), or, when the
+    # prompt ends without an eviction, at the first decode eviction. A chunked prompt's evictions read only
+    # their own step's queries (above).
+    ends = []
+    if policy.window_at_prompt_end or (config.schedule == "oneshot" and prompt_len > config.budget):
+        ends.append(prompt_len)
+    if prompt_len <= config.budget and policy.window_in_decode:
+        ends.append(decode_end)
+    return any(phys_after > end - width for end in ends)

@@ -31,11 +31,14 @@ def test_plain_config_untouched_without_eviction(tiny_llama):
     assert "vllm_evict" not in str(config.parallel_config.worker_cls)
 
 
-def test_eviction_sets_scheduler_worker_and_turns_prefix_caching_off(tiny_llama):
+def test_eviction_sets_scheduler_worker_and_leaves_prefix_caching_on(tiny_llama):
+    """Prefix caching stays as vLLM resolves it (on by default, on when asked for): engine/prefix_sharing.py."""
     config = engine_config(tiny_llama)
     assert str(config.scheduler_config.scheduler_cls) == "vllm_evict.engine.scheduler.EvictScheduler"
     assert config.parallel_config.worker_cls == "vllm_evict.engine.worker.EvictCPUWorker"
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.enable_prefix_caching is True
+    assert engine_config(tiny_llama, enable_prefix_caching=True).cache_config.enable_prefix_caching is True
+    assert engine_config(tiny_llama, enable_prefix_caching=False).cache_config.enable_prefix_caching is False
 
 
 def test_async_scheduling_is_left_to_vllm_and_picks_the_async_scheduler(tiny_llama):
@@ -69,7 +72,6 @@ def test_async_scheduling_is_left_to_vllm_and_picks_the_async_scheduler(tiny_lla
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"enable_prefix_caching": True}, "drop --enable-prefix-caching"),
     ({"kv_cache_dtype": "fp8"}, "does not support a quantized KV cache"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "does not support speculative decoding"),
     # KV cache dtypes: an allowlist, so every quantized format is refused, not only fp8*

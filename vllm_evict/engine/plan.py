@@ -28,3 +28,9 @@ class EvictionPlan:
     # mass of any window queries the pages hold to the request's window state, before the forward).
     window_pages: dict[str, list[int]] = field(default_factory=dict)
     window_returned: list[str] = field(default_factory=list)
+    # Prefix caching (engine/prefix_sharing.py): requests whose hashed or shared pages are replaced in this
+    # step, request id -> (original page ids, their copies' ids), copied by the workers after each layer's
+    # attention; and the request's whole page list with the copies in place, which the workers' block
+    # table takes at the start of the next step (this step's forward reads and writes the originals).
+    copies: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    pages: dict[str, list[int]] = field(default_factory=dict)

@@ -41,7 +41,7 @@ from vllm_evict.engine.step_timer import StepTimer
 from vllm_evict.engine.warmup import WarmupGeometry, warm_up_in_vllm, warm_up_server
 from vllm_evict.engine.window_lender import query_group
 from vllm_evict.engine.window_pages import pages_for_window, slot_row_view
-from vllm_evict.evict_step import LayerCache, evict_layer, record_layer, tokens_view
+from vllm_evict.evict_step import LayerCache, copy_pages, evict_layer, record_layer, tokens_view
 from vllm_evict.kv_shard import KVShard
 from vllm_evict.paged import gather_tokens
 from vllm_evict.policies.base import Policy
@@ -93,6 +93,7 @@ class EvictRunnerMixin:
         self.evict_layer_names: list[str] = []
         self.evict_step: BuiltStep | None = None
         self.evict_compactions: list = []
+        self.evict_relocations: dict[str, list[int]] = {}  # request id -> its page list from the next step
         self.evict_layout = ""
         # When a dict (tests), the logical positions each finished request kept, per layer [H_kv, n].
         self.evict_kept_record: dict[str, list[Tensor]] | None = None
@@ -309,6 +310,10 @@ class EvictRunnerMixin:
         rows, view = self.evict_rows, self.evict_view
         page_size = self.evict_buffers.geometry.page_size
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        for request_id, pages in self.evict_relocations.items():  # copies of shared pages (prefix caching)
+            if request_id not in gone:  # also a V1 request left out of this step: its block ids
+                view.set_pages(request_id, view.row_of(request_id), pages)
+        self.evict_relocations = {}
         for compaction in self.evict_compactions:
             row = view.row_of(compaction.request_id)
             if row is None:
@@ -330,6 +335,7 @@ class EvictRunnerMixin:
             return
         step = self.evict_builder.build(self.evict_view, plan, num_scheduled_tokens)
         self.evict_compactions = step.compactions if step is not None else []
+        self.evict_relocations = step.relocations if step is not None else {}
         self.evict_step = step
 
     def kept_positions(self, request_id: str) -> list[Tensor]:
@@ -364,6 +370,8 @@ class EvictRunnerMixin:
             return
         cache = self.evict_layers[index]
         record_layer(cache, step.plan, step.initializers, query, key, value)
+        if step.plan.copies is not None:  # after this step's tokens are in, before anything is written
+            copy_pages(cache, step.plan.copies)
         if step.plan.groups:
             impl = layer.impl if hasattr(layer, "impl") else layer
             evict_layer(cache, step.plan, tokens_view(query, step.num_tokens, impl.num_heads, impl.head_size))

@@ -115,7 +115,10 @@ class V1View:
         table.num_blocks_per_row[row] = min(held, pages)
 
     def set_pages(self, request_id: str, row: int | None, pages: list[int]) -> None:
-        self.runner.requests[request_id].block_ids[0][:] = pages
+        request = self.runner.requests.get(request_id)
+        if request is None:  # gone before this step
+            return
+        request.block_ids[0][:] = pages
         if row is None:  # out of the batch: vLLM writes the row from block_ids when it comes back
             return
         table = self.batch.block_table[0]

@@ -92,4 +92,5 @@ class RunnerView(Protocol):
         pages vLLM hands it are appended after them."""
 
     def set_pages(self, request_id: str, row: int | None, pages: list[int]) -> None:
-        """The request's whole page list is now ``pages`` (an elastic compression replaced it)."""
+        """The request's whole page list is now ``pages`` (an elastic compression replaced it, or prefix caching's
+        copies did); ``row`` None: the request is out of the batch (V1), or gone (nothing to do)."""

@@ -47,6 +47,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.elastic import ElasticCompressor
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
+from vllm_evict.engine.prefix_sharing import PrefixSharing
 from vllm_evict.engine.window_lender import WindowPageLender
 from vllm_evict.engine.stats import EvictionAccounting, EvictSchedulerStats, with_report, worker_report_of
 from vllm_evict.request_settings import RequestRefused, carry, has_settings, resolve, server_settings
@@ -83,6 +84,7 @@ class EvictScheduler(Scheduler):
         self.kv_cache_manager.eviction = self
         self.elastic = ElasticCompressor(self)
         self.window_pages = WindowPageLender(self)
+        self.sharing = PrefixSharing(self)  # prefix caching: pages shared until a request first writes
         self.accounting = EvictionAccounting(self.log_stats)  # metrics and per-request reports
         self.stats_client = 0  # the front end that got the last SchedulerStats
         # vLLM's own "Using custom scheduler class" line is not printed (plugin.py picks the class), so this
@@ -103,6 +105,7 @@ class EvictScheduler(Scheduler):
         config = resolved.config
         self.eviction_configs[request.request_id] = config
         self.accounting.add(request.request_id, config, stop_strings=bool(params is not None and params.stop))
+        self.sharing.admit(request, config)
         super().add_request(request)
 
     def _refuse(self, request: Request, message: str) -> None:
@@ -144,6 +147,7 @@ class EvictScheduler(Scheduler):
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._free_evicted_pages()
+        self.sharing.begin_step()
         self.elastic.begin_step()
         self.window_pages.begin_step()
         output = super().schedule(*args, **kwargs)
@@ -171,6 +175,8 @@ class EvictScheduler(Scheduler):
                 self.pending_keep[request_id] = keep
                 self.accounting.evicted(request_id, phys_after - keep)
         self.window_pages.finish_step(plan)
+        if self.sharing.now:
+            self.sharing.finish_step(output.num_scheduled_tokens, plan)
         self.accounting.end_step()
         setattr(output, PLAN_ATTR, plan)
         return output
@@ -192,6 +198,7 @@ class EvictScheduler(Scheduler):
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)
         self.window_pages.forget(request.request_id)
+        self.sharing.forget(request.request_id, self.config_of(request.request_id))
         # Recompute-preemption drops every page and restarts from token 0.
         self.evicted.pop(request.request_id, None)
         self.pending_keep.pop(request.request_id, None)
@@ -219,6 +226,7 @@ class EvictScheduler(Scheduler):
             self.eviction_configs.pop(request_id, None)
             self.evicted.pop(request_id, None)
             self.pending_keep.pop(request_id, None)
+            self.sharing.forget(request_id)
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Tokens physically cached for a request (tests and metrics)."""
@@ -300,10 +308,13 @@ def _evicting_manager_class(base: type[KVCacheManager]) -> type[KVCacheManager]:
 
 
 class EvictKVCacheManagerMixin:
-    """Presents each request's physical length to vLLM's page arithmetic.
+    """Presents each request's physical length to vLLM's page arithmetic, and keeps prefix caching off
+    every page eviction writes (engine/prefix_sharing.py).
 
-    Inside ``allocate_slots`` the request's ``num_computed_tokens`` feeds only page arithmetic (prefix
-    caching is off with eviction), so it is lowered by the evicted count for the duration of the call.
+    Inside ``allocate_slots`` the request's ``num_computed_tokens`` feeds page arithmetic and the number
+    of full pages vLLM hashes; it is lowered by the evicted count for the duration of the call, and a
+    request that has evicted hashes nothing (``delay_cache_blocks``), so the lowered count never names
+    a prefix.
     The full-sequence admission check (``full_sequence_must_fit``) is replaced by the same check sized
     to what the request will hold under eviction, with vLLM's watermark; ``reserved_blocks`` still
     applies to the allocation itself, which vLLM makes after that check.
@@ -313,7 +324,24 @@ class EvictKVCacheManagerMixin:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         scheduler = self.eviction
-        admission = kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None
+        config = scheduler.config_of(request.request_id)
+        sharing = scheduler.sharing
+        privatize = False
+        if config is not None and sharing.enabled:
+            if sharing.hashes(request.request_id):
+                hits = kwargs.get("num_new_computed_tokens", args[0] if args else 0)
+                sharing.found(request, hits)
+                evicted = scheduler.evicted.get(request.request_id, 0)
+                privatize = sharing.changes(request, config, num_new_tokens, hits, evicted)
+                if privatize:
+                    hit_blocks = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
+                    new_hit_blocks = len(hit_blocks.blocks[0]) if hit_blocks is not None else 0
+                    if not sharing.room_for(request, self, num_new_tokens, hits, new_hit_blocks,
+                                            kwargs.get("num_lookahead_tokens", 0), evicted):
+                        return None
+            else:
+                kwargs = {**kwargs, "delay_cache_blocks": True}
+        admission = kwargs.get("full_sequence_must_fit") and config is not None
         result = self._allocate_physical(request, num_new_tokens, *args, **kwargs)
         if result is None and scheduler.window_pages.lent:  # lent window pages go back before anything else
             scheduler.window_pages.reclaim()
@@ -328,7 +356,13 @@ class EvictKVCacheManagerMixin:
                 result = self._allocate_physical(request, num_new_tokens, *args, **kwargs)
         if result is not None:
             elastic.note_allocation(request.request_id, num_new_tokens + lookahead)
+            if privatize:
+                sharing.privatize(request, self)
         return result
+
+    def cache_blocks(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        if self.eviction.sharing.hashes(request.request_id):
+            super().cache_blocks(request, *args, **kwargs)  # type: ignore[misc]
 
     def _allocate_physical(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         scheduler = self.eviction

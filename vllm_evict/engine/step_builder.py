@@ -8,11 +8,12 @@ index computations, none of which waits for the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from vllm_evict.engine.buffers import EvictionBuffers
 from vllm_evict.engine.plan import EvictionPlan
@@ -92,6 +93,8 @@ class BuiltStep:
     num_tokens: int
     compactions: list[Compaction]
     rows: dict[str, int]  # request id -> row, for the requests of a group (records, tests)
+    # Prefix caching: request id -> its page list from the next step on (this step's copies in place).
+    relocations: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def layer_work(self) -> bool:
@@ -99,7 +102,7 @@ class BuiltStep:
         look at); most decode steps far from any eviction have none."""
         record = self.plan.record
         return (record.ring_index is not None or record.window_writes is not None or bool(self.initializers)
-                or bool(self.plan.groups))
+                or bool(self.plan.groups) or self.plan.copies is not None)
 
 
 def phase_codes(computed: np.ndarray, scheduled: np.ndarray, prompt: np.ndarray) -> np.ndarray:
@@ -167,7 +170,7 @@ class StepBuilder:
 
         record = self._record(view, num_reqs, num_tokens, computed, scheduled, windows)
         step = StepPlan(record=record, groups=[], ring_positions=self.buffers.ring_positions,
-                        zero_states=zero_states)
+                        zero_states=zero_states, copies=self._copies(plan))
         record_step(self.buffers.positions, self.buffers.states, step)
 
         every_step = np.array([p.needs_every_step for p in policies] + [False], dtype=bool)[policy_index]
@@ -183,10 +186,18 @@ class StepBuilder:
                 rows = np.nonzero(acting & (key == k))[0]
                 step.groups.append(self._group(view, rows, policies[int(policy_index[rows[0]])],
                                                PHASES[int(phase[rows[0]])], keep, computed, scheduled,
-                                               cached_after, windows))
+                                               cached_after, windows, plan.pages))
                 rows_by_id.update({view.req_ids[r]: int(r) for r in rows})
         return BuiltStep(plan=step, initializers=initializers, num_tokens=num_tokens, compactions=compactions,
-                         rows=rows_by_id)
+                         rows=rows_by_id, relocations=dict(plan.pages))
+
+    def _copies(self, plan: EvictionPlan) -> tuple[Tensor, Tensor] | None:
+        """The step's page copies (prefix caching, engine/prefix_sharing.py) as two device index tensors."""
+        if not plan.copies:
+            return None
+        pairs = np.array([(s, d) for src, dst in plan.copies.values() for s, d in zip(src, dst)], dtype=np.int64)
+        src, dst = self.staging.to_device(pairs[:, 0], pairs[:, 1])
+        return src, dst
 
     def _windows(self, table_rows: np.ndarray, present: list[int], policy_index: np.ndarray, computed: np.ndarray,
                  scheduled: np.ndarray, cached_after: np.ndarray, prompt: np.ndarray,
@@ -280,11 +291,21 @@ class StepBuilder:
         return write_table(*where) if self.slot_rows is None else (write_rows(*where, self.slot_rows),)
 
     def _group(self, view: RunnerView, rows: np.ndarray, policy: Policy, phase: Phase, keep: np.ndarray,
-               computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows") -> Group:
+               computed: np.ndarray, scheduled: np.ndarray, cached_after: np.ndarray, windows: "RowWindows",
+               relocated: dict[str, list[int]]) -> Group:
         lengths = cached_after[rows]
         pages = -(-int(lengths.max()) // self.page_size)
         table_rows = view.rows[rows]  # ``rows`` are batch rows
         table = view.block_table(table_rows, pages, self.staging.to_device)
+        if relocated:  # rows that copied shared pages in this step read and write the copies
+            moved = [(i, relocated[view.req_ids[r]]) for i, r in enumerate(rows) if view.req_ids[r] in relocated]
+            if moved:
+                new = np.zeros((len(moved), pages), dtype=np.int64)
+                for j, (_, row_pages) in enumerate(moved):
+                    new[j, :min(len(row_pages), pages)] = row_pages[:pages]
+                at, new_t = self.staging.to_device(np.array([i for i, _ in moved], dtype=np.int64), new)
+                table = table.clone()
+                table[at] = new_t.to(table.dtype)
         entries = self.rows.policy[table_rows]
         evicting = bool(keep[rows[0]] >= 0)
         return build_group(policy, phase, table, self.page_size, lengths=lengths, computed=computed[rows],

@@ -68,7 +68,8 @@ class WindowPageLender:
         return sum(len(blocks) for blocks in self.lent.values())
 
     # ---- the rule ---------------------------------------------------------------------------------
-    def _policy(self, config: "EvictionConfig") -> Policy:
+    def policy_for(self, config: "EvictionConfig") -> Policy:
+        """The policy of ``config`` (built once per distinct config, bounded)."""
         key = str(config)
         policy = self._policies.get(key)
         if policy is None:
@@ -83,7 +84,7 @@ class WindowPageLender:
         with the others in ``finish_step``."""
         policy = self.policy_of.get(request_id) if decode and self.enabled else None
         if policy is None and decode and self.enabled:
-            policy = self.policy_of[request_id] = self._policy(config)
+            policy = self.policy_of[request_id] = self.policy_for(config)
         if policy is not None and policy.accumulates_window and policy.window_in_decode:
             self.decoding.append((request_id, policy, phys_after, logical_after, config.budget, slack))
         elif request_id in self.lent:

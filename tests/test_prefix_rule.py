@@ -1,0 +1,63 @@
+"""``schedule.changes_cached_tokens`` (when prefix caching stops sharing a request's pages) is never late:
+at every step of a request where the workers' own rules (``eviction_target``, ``window_end``,
+``WindowEnd.recorded``, as ``StepBuilder`` applies them) write into its cache, it says so."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_evict.config import EvictionConfig
+from vllm_evict.schedule import changes_cached_tokens, eviction_target, phase_of, window_end
+
+PAGE = 16
+SPECS = ["snapkv", "tova", "keydiff", "nacl", "streamingllm", "knorm", "random", "caote+snapkv",
+         "criticalkv+snapkv", "h2o", "ahakv"]
+
+
+def workers_write(policy, config, *, tokens_before: int, num_new: int, prompt_len: int, phys_before: int) -> bool:
+    """What the step builder decides for one row: it acts on (writes into) the row's cache."""
+    phys_after = phys_before + num_new
+    phase = phase_of(tokens_before, num_new, prompt_len)
+    slack = config.slack_for(PAGE)
+    keep = eviction_target(phys_after=phys_after, phase=phase, budget=config.budget, schedule=config.schedule,
+                           slack=slack)
+    if keep is not None or policy.needs_every_step:
+        return True
+    if not policy.accumulates_window:
+        return False
+    one = np.ones(1, dtype=np.int64)
+    end = window_end(cached_after=one * phys_after, scheduled=one * num_new, logical_after=one * (tokens_before + num_new),
+                     prompt=one * prompt_len, evicting=np.zeros(1, dtype=bool), budget=one * config.budget,
+                     slack=one * slack, one_shot=np.full(1, config.schedule == "oneshot"),
+                     at_prompt_end=np.full(1, policy.window_at_prompt_end),
+                     in_decode=np.full(1, policy.window_in_decode))
+    width = policy.window_size(end.logical, end.kept)
+    return bool(end.now[0] or end.recorded(one * phys_after, one * num_new, width)[0] > 0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_never_late(spec: str) -> None:
+    steps = said_early = 0
+    for budget, prompt_len, chunk, schedule in itertools.product((64, 200), (40, 130, 500), (16, 48, 512),
+                                                                 ("chunked", "oneshot")):
+        config = EvictionConfig.from_spec(spec, budget, schedule=schedule)
+        policy = config.build_policy()
+        tokens, phys = 0, 0
+        while tokens < prompt_len + 300:  # the prompt in chunks, then decode, until the first write
+            num_new = min(chunk, prompt_len - tokens) if tokens < prompt_len else 1
+            exact = workers_write(policy, config, tokens_before=tokens, num_new=num_new, prompt_len=prompt_len,
+                                  phys_before=phys)
+            said = changes_cached_tokens(policy, config, tokens_before=tokens, num_new=num_new,
+                                         prompt_len=prompt_len, phys_before=phys, page_size=PAGE)
+            assert said or not exact, (spec, budget, prompt_len, chunk, schedule, tokens)
+            steps += 1
+            said_early += said and not exact
+            if exact:
+                break  # the request is private from here on
+            tokens, phys = tokens + num_new, phys + num_new
+    assert steps >= 36  # every case ran (H2O and AhaKV write from their first step)
+    # Early only by the width of a window (its bound, not the step's exact one): most steps are not.
+    assert said_early <= steps // 4, (said_early, steps)
