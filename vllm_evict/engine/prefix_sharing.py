@@ -48,11 +48,13 @@ if TYPE_CHECKING:
 @dataclass
 class Privatized:
     """One request's pages replaced in this step: ``indices`` into its page list, the hashed or shared
-    ``sources`` (blocks) and their fresh ``copies`` (blocks), in the same order."""
+    ``sources`` (blocks) and their fresh ``copies`` (blocks), in the same order; ``held``: the sources the
+    request keeps holding until it ends (a prefix proven shared), the others go back after the step."""
 
     indices: list[int]
     sources: list[Any]
     copies: list[Any]
+    held: list[Any]
 
 
 class PrefixSharing:
@@ -65,7 +67,6 @@ class PrefixSharing:
         self.retained: list[Any] = []  # replaced pages, freed once the step that copies them has run
         self.hit_pages: dict[str, int] = {}  # request id -> pages of its prefix found in the cache
         self.pinned: dict[str, list[Any]] = {}  # request id -> shared prefix pages it holds until it ends
-        self.pending_pins: dict[str, list[Any]] = {}  # this step's, until the step is planned
         self.copied_pages = 0  # pages copied so far (tests, logs)
         self.uncached_pages = 0  # pages taken out of the prefix cache instead, for want of free pages
 
@@ -139,9 +140,9 @@ class PrefixSharing:
             pool.evict_blocks({blocks[i].block_id for i in uncached})
             self.uncached_pages += len(uncached)
         if copied:
-            self.now[request_id] = Privatized(copied, [blocks[i] for i in copied], pool.get_new_blocks(len(copied)))
             hit = self.hit_pages.get(request_id, 0)
-            self.pending_pins[request_id] = [blocks[i] for i in copied if i < hit or blocks[i].ref_cnt > 1]
+            self.now[request_id] = Privatized(copied, [blocks[i] for i in copied], pool.get_new_blocks(len(copied)),
+                                              [blocks[i] for i in copied if i < hit or blocks[i].ref_cnt > 1])
 
     # ---- per step -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -162,15 +163,13 @@ class PrefixSharing:
                 continue
             for index, copy in zip(done.indices, done.copies):
                 blocks[index] = copy
-            pins = self.pending_pins.pop(request_id, [])
-            held = {id(b) for b in pins}
-            self.pinned.setdefault(request_id, []).extend(pins)
+            held = {id(b) for b in done.held}
+            self.pinned.setdefault(request_id, []).extend(done.held)
             self.retained.extend(b for b in done.sources if id(b) not in held)
             self.copied_pages += len(done.copies)
             plan.copies[request_id] = ([b.block_id for b in done.sources], [b.block_id for b in done.copies])
             plan.pages[request_id] = [b.block_id for b in blocks]
         self.now = {}
-        self.pending_pins = {}
 
     def forget(self, request_id: str, config: "EvictionConfig | None" = None) -> None:
         """Gone, or preempted (``config``: every page went back, and a resumed request shares again
@@ -178,7 +177,6 @@ class PrefixSharing:
         self.private.discard(request_id)
         self.policies.pop(request_id, None)
         self.hit_pages.pop(request_id, None)
-        self.pending_pins.pop(request_id, None)
         pool = self.scheduler.kv_cache_manager.block_pool
         done = self.now.pop(request_id, None)
         if done is not None:
