@@ -453,3 +453,22 @@ def test_relative_links_resolve() -> None:
             assert resolved.exists(), f"{page.relative_to(REPO)} links to {target}, which does not exist"
             if anchor and resolved.suffix == ".md":
                 assert anchor in anchors(resolved), f"{page.relative_to(REPO)} links to {target}: no such heading"
+
+
+def test_engine_page_lists_every_vllm_api_the_host_contract_checks() -> None:
+    """docs/engine.md's list of the vLLM APIs the plugin uses is the host contract's set of cases (by symbol)."""
+    from tests.test_host_contract import CASES
+
+    contract = {case.id.split(":")[0] for case in CASES} - {"installed-vllm-version"}
+    text = (REPO / "docs" / "engine.md").read_text()
+    body = re.search(r"^## vLLM's hooks: public first, and every private API still used\n(.*?)(?=^## )", text,
+                     re.M | re.S).group(1)
+    listed: dict[str, int] = {}
+    for item in re.findall(r"^- (?:Public|[\w ,-]+?) \((\d+)\): (.*?)\.\n(?=- |\n|\Z)", body, re.M | re.S):
+        names = re.findall(r"`([^`]+)`", item[1])
+        assert len(names) == int(item[0]), f"a group of docs/engine.md says {item[0]} and names {len(names)}"
+        for name in names:
+            listed[name] = listed.get(name, 0) + 1
+    assert {n for n, times in listed.items() if times > 1} == set(), "named in two groups"
+    assert set(listed) - contract == set(), "listed in docs/engine.md without a host-contract case"
+    assert contract - set(listed) == set(), "host-contract cases missing from docs/engine.md's list"

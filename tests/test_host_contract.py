@@ -489,6 +489,55 @@ def check_req_to_blocks_and_free_blocks(h: Host) -> None:
         f"{free_before} to {pool.get_num_free_blocks()}")
 
 
+def check_evicting_spec_registry(h: Host) -> None:
+    """engine/kv_spec.py: vLLM's KV-cache spec registry gives EvictingAttentionSpec its manager, which sizes
+    pages from what a request holds, and the spec groups, merges and sizes as the FullAttentionSpec it is."""
+    import torch
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_evict.engine.kv_spec import EvictingAttentionManager, EvictingAttentionSpec, evicting_specs
+
+    base = FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    spec = evicting_specs({"layer": base, "other": base})["layer"]
+    assert type(spec) is EvictingAttentionSpec and spec.page_size_bytes == base.page_size_bytes, (
+        "vLLM changed FullAttentionSpec: its dataclass fields no longer rebuild it as a subclass of equal size")
+    assert type(spec.merge([spec, spec])) is EvictingAttentionSpec, (
+        "vLLM changed FullAttentionSpec.merge: it no longer builds the class it is called on")
+    assert KVCacheSpecRegistry.get_uniform_type_base_spec(spec) is FullAttentionSpec, (
+        "vLLM changed KVCacheSpecRegistry: EvictingAttentionSpec no longer groups with FullAttentionSpec")
+    assert spec.is_uniform_with_collection({"layer": spec, "other": base}), (
+        "vLLM changed KVCacheSpec.is_uniform_with_collection: the registered subclass is not uniform with its base")
+    config = h.vllm_config
+    kv_cache_config = KVCacheConfig(num_blocks=20, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(config), block_size=PAGE)
+    kv = scheduler.kv_cache_manager
+    manager = kv.coordinator.single_type_managers[0]
+    assert isinstance(manager, EvictingAttentionManager), (
+        f"vLLM changed get_manager_for_kv_cache_spec: the registry gave {type(manager).__name__} for a "
+        "registered spec")
+    request = Request("req-e", list(range(40)), SamplingParams(max_tokens=8), None)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    free = kv.block_pool.get_num_free_blocks()
+    assert manager.release_tail("req-e", 1, evicted=24) == 2 and kv.block_pool.get_num_free_blocks() == free + 2
+    # 40 logical tokens, 16 held: 20 more need 36 slots = 3 pages, 2 of them new (vLLM's logical count: 4, 3)
+    new = kv.allocate_slots(request, 20, delay_cache_blocks=True)
+    assert new is not None and len(new.blocks[0]) == 2 and len(manager.req_to_blocks["req-e"]) == 3, (
+        "vLLM changed KVCacheManager.allocate_slots: its coordinator no longer sizes the new pages through the "
+        "manager's get_num_blocks_to_allocate/allocate_new_blocks(request_id, num_tokens, ...) "
+        f"(got {None if new is None else len(new.blocks[0])} new pages)")
+    kv.free(request)
+    assert "req-e" not in manager.evicted and kv.block_pool.get_num_free_blocks() == 19, (
+        "vLLM changed KVCacheManager.free: it no longer frees through SingleTypeKVCacheManager.free(request_id)")
+
+
 def check_kv_cache_block() -> None:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -1191,6 +1240,27 @@ def _cases() -> list[Any]:
     add("RequestStatus.WAITING,PREEMPTED", lambda: [expect_attr(f"vllm.v1.request.RequestStatus.{n}")()
                                                     for n in ("WAITING", "PREEMPTED")])
     add("KVCacheManager.coordinator.single_type_managers", check_single_type_managers)
+    # engine/kv_spec.py: page accounting on vLLM's public KV-cache spec registry
+    add("KVCacheSpecRegistry.register", expect_params("vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry.register",
+                                                      "kvcache_spec_cls", "manager_class", "uniform_type_base_spec"))
+    add("register_all_kvcache_specs", expect_params(
+        "vllm.v1.core.single_type_kv_cache_manager.register_all_kvcache_specs", "vllm_config"))
+    add("KVCacheSpecRegistry:built-ins_only_into_an_empty_registry", expect_source(
+        "vllm.v1.kv_cache_spec_registry.KVCacheSpecRegistry._ensure_registered",
+        r"if _REGISTRY_KVCACHESPEC_LIST:\s*return",
+        "the registry's lazy registration changed (engine/kv_spec.register puts vLLM's built-ins in first)"))
+    add("EngineCore:registers_specs_before_sizing", expect_source(
+        "vllm.v1.engine.core.EngineCore._initialize_kv_caches", r"register_all_kvcache_specs\(vllm_config\)",
+        "the engine core no longer registers the specs before grouping the workers' specs"))
+    add("Worker.get_kv_cache_spec", expect_params("vllm.v1.worker.gpu_worker.Worker.get_kv_cache_spec", "self"))
+    add("Executor.get_kv_cache_specs:collective_rpc", expect_source(
+        "vllm.v1.executor.abstract.Executor.get_kv_cache_specs", r"collective_rpc\(\s*\"get_kv_cache_spec\"",
+        "the engine no longer reads the specs from each worker's get_kv_cache_spec"))
+    for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "free"):
+        add(f"SingleTypeKVCacheManager.{name}", expect_params(
+            f"vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.{name}", "self", "request_id",
+            *(("num_tokens",) if name != "free" else ()), prefix=True))
+    add("EvictingAttentionSpec:registry_manager_and_page_arithmetic", check_evicting_spec_registry)
     add("SingleTypeKVCacheManager.req_to_blocks+BlockPool.free_blocks", check_req_to_blocks_and_free_blocks)
     add("BlockPool.get_num_free_blocks", expect_attr("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks"))
     for name in ("num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids",

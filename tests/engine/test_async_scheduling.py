@@ -34,13 +34,16 @@ NEW_TOKENS = 24
 EOS = 2  # the token the made-up runner samples for request "stop" at its 6th output
 
 
-def scheduler_for(model: str, eviction: dict[str, Any], async_scheduling: bool, pages: int = PAGES) -> Any:
+def scheduler_for(model: str, eviction: dict[str, Any], async_scheduling: bool, pages: int = PAGES,
+                  worker_spec: bool = True) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     import torch
+
+    from vllm_evict.engine.kv_spec import evicting_specs
 
     args = EngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=4,
                       max_num_batched_tokens=64, block_size=BLOCK, seed=0, enable_prefix_caching=False,
@@ -54,6 +57,8 @@ def scheduler_for(model: str, eviction: dict[str, Any], async_scheduling: bool, 
     hf = config.model_config.hf_text_config
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=hf.num_key_value_heads,
                              head_size=hf.hidden_size // hf.num_attention_heads, dtype=torch.float32)
+    if worker_spec:
+        spec = evicting_specs({"layer.0": spec})["layer.0"]  # what the evicting worker reports
     kv = KVCacheConfig(num_blocks=pages, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer.0"], kv_cache_spec=spec)])
     return cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
@@ -193,3 +198,11 @@ def test_async_scheduling_keeps_counts_and_pages_right(tiny_llama, case):
             want["stop"] = 6
             assert run["finished"]["stop"].finish_reason.name == "STOP"  # at EOS, with another step in flight
         assert run["tokens"] == want and set(run["finished"]) == set(want)
+
+
+def test_scheduler_refuses_a_group_without_the_eviction_page_manager(tiny_llama):
+    """A KV-cache group that vLLM's spec registry did not give engine/kv_spec.py's manager (a worker that
+    reports plain FullAttentionSpec) would size pages by logical lengths: the engine refuses to start."""
+    with pytest.raises(ValueError, match=r"^KV eviction needs its page manager for the KV-cache group, got "
+                                         r"FullAttentionManager: the workers must report EvictingAttentionSpec"):
+        scheduler_for(tiny_llama, {"policy": "snapkv", "budget": 64}, async_scheduling=False, worker_spec=False)

@@ -111,16 +111,13 @@ class ElasticCompressor:
         keep = max(keep, floor)
         if keep >= cached:
             return 0
-        keep_pages = cdiv(keep + new_tokens, page)
-        tail = blocks[keep_pages:]
-        del blocks[keep_pages:]
-        scheduler.kv_cache_manager.block_pool.free_blocks(reversed(tail))
-        scheduler.evicted[request_id] = scheduler.evicted.get(request_id, 0) + cached - keep
-        scheduler.accounting.compressed(request_id, cached - keep, len(tail))
+        freed = scheduler.attention_manager.release_tail(
+            request_id, cdiv(keep + new_tokens, page), evicted=scheduler.evicted.get(request_id, 0) + cached - keep)
+        scheduler.accounting.compressed(request_id, cached - keep, freed)
         before = self.compressions.get(request_id)
         self.compressions[request_id] = Compression(
             cached_before=before.cached_before if before is not None else cached, keep=keep)
-        return len(tail)
+        return freed
 
     def deficit(self, manager: Any, request: Request, num_new_tokens: int, lookahead: int,
                 admission_tokens: int | None) -> int:

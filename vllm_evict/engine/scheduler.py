@@ -7,7 +7,8 @@ logical; only page arithmetic sees the physical length.
 Each step:
 1. before vLLM schedules, the pages freed by last step's eviction are returned to the pool, so they
    are usable at once;
-2. vLLM schedules as usual (its page allocation sees physical lengths, see EvictKVCacheManager);
+2. vLLM schedules as usual (its page allocation sees physical lengths: engine/kv_spec.py, on vLLM's
+   KV-cache spec registry);
 3. for every scheduled request with eviction on, the scheduler applies the shared rule
    (``vllm_evict.schedule.eviction_target``) and attaches the plan to the SchedulerOutput; the workers
    evict right after each layer's attention of this step, keeping exactly that many tokens per head.
@@ -46,6 +47,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.elastic import ElasticCompressor
+from vllm_evict.engine.kv_spec import EvictingAttentionManager
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.engine.prefix_sharing import PrefixSharing
 from vllm_evict.engine.window_lender import WindowPageLender
@@ -72,13 +74,17 @@ class EvictScheduler(Scheduler):
         self.server_settings = server_settings(self.server_eviction)
         self.eviction_configs: dict[str, EvictionConfig | None] = {}
         self.refused: dict[str, tuple[int, str]] = {}  # request id -> (client index, why), until reported
-        self.evicted: dict[str, int] = {}  # request id -> logical - physical tokens
         self.pending_keep: dict[str, int] = {}  # request id -> tokens kept by last step's eviction
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1:
             raise ValueError("KV eviction supports models with one KV-cache group (full attention in every "
                              f"layer); this model has {len(managers)} groups")
-        self.attention_manager = managers[0]
+        if not isinstance(managers[0], EvictingAttentionManager):
+            raise ValueError(f"KV eviction needs its page manager for the KV-cache group, got "
+                             f"{type(managers[0]).__name__}: the workers must report EvictingAttentionSpec "
+                             "(run the model with vllm_evict's worker, which --kv-eviction selects)")
+        self.attention_manager: EvictingAttentionManager = managers[0]
+        self.evicted = self.attention_manager.evicted  # request id -> logical - physical tokens (engine/kv_spec.py)
         self.page_size = self.attention_manager.block_size
         self.kv_cache_manager.__class__ = _evicting_manager_class(type(self.kv_cache_manager))
         self.kv_cache_manager.eviction = self
@@ -187,20 +193,17 @@ class EvictScheduler(Scheduler):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted: vLLM already freed every page
-            blocks = self.attention_manager.req_to_blocks[request_id]
-            tail = blocks[cdiv(keep, self.page_size):]
-            del blocks[cdiv(keep, self.page_size):]
-            self.kv_cache_manager.block_pool.free_blocks(reversed(tail))
-            self.accounting.freed(request_id, len(tail))
-            self.evicted[request_id] = request.num_computed_tokens - keep
+            freed = self.attention_manager.release_tail(request_id, cdiv(keep, self.page_size),
+                                                        evicted=request.num_computed_tokens - keep)
+            self.accounting.freed(request_id, freed)
         self.pending_keep.clear()
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)
         self.window_pages.forget(request.request_id)
         self.sharing.forget(request.request_id, self.config_of(request.request_id))
-        # Recompute-preemption drops every page and restarts from token 0.
-        self.evicted.pop(request.request_id, None)
+        # Recompute-preemption drops every page (and the evicted count, engine/kv_spec.py) and restarts
+        # from token 0.
         self.pending_keep.pop(request.request_id, None)
         self.elastic.compressions.pop(request.request_id, None)
         self.elastic.allocated_now.pop(request.request_id, None)
@@ -308,13 +311,9 @@ def _evicting_manager_class(base: type[KVCacheManager]) -> type[KVCacheManager]:
 
 
 class EvictKVCacheManagerMixin:
-    """Presents each request's physical length to vLLM's page arithmetic, and keeps prefix caching off
-    every page eviction writes (engine/prefix_sharing.py).
-
-    Inside ``allocate_slots`` the request's ``num_computed_tokens`` feeds page arithmetic and the number
-    of full pages vLLM hashes; it is lowered by the evicted count for the duration of the call, and a
-    request that has evicted hashes nothing (``delay_cache_blocks``), so the lowered count never names
-    a prefix.
+    """Admission under eviction, and prefix caching kept off every page eviction writes
+    (engine/prefix_sharing.py). The page arithmetic itself (physical lengths) is the registry's manager's
+    (engine/kv_spec.py); a request that has evicted hashes nothing (``delay_cache_blocks``).
     The full-sequence admission check (``full_sequence_must_fit``) is replaced by the same check sized
     to what the request will hold under eviction, with vLLM's watermark; ``reserved_blocks`` still
     applies to the allocation itself, which vLLM makes after that check.
@@ -366,16 +365,11 @@ class EvictKVCacheManagerMixin:
 
     def _allocate_physical(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         scheduler = self.eviction
-        evicted = scheduler.evicted.get(request.request_id, 0)
         if kwargs.get("full_sequence_must_fit") and scheduler.config_of(request.request_id) is not None:
             kwargs = {**kwargs, "full_sequence_must_fit": False}
             if not self._bounded_sequence_fits(request, kwargs.get("has_scheduled_reqs", True)):
                 return None
-        request.num_computed_tokens -= evicted
-        try:
-            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)  # type: ignore[misc]
-        finally:
-            request.num_computed_tokens += evicted
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)  # type: ignore[misc]
 
     def _bounded_sequence_fits(self, request: Request, has_scheduled_reqs: bool) -> bool:
         scheduler = self.eviction

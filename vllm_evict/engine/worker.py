@@ -85,6 +85,12 @@ def _evicting_subclass(base: type, attribute: str) -> type:
         # the pool, so that eviction can never push the device out of memory.
         return self.model_runner.evict_kv_share(base.determine_available_memory(self))
 
+    def get_kv_cache_spec(self: Any) -> dict[str, Any]:
+        # vLLM's public KV-cache spec registry sizes pages from what each request holds (engine/kv_spec.py).
+        from vllm_evict.engine.kv_spec import evicting_specs
+
+        return evicting_specs(base.get_kv_cache_spec(self))
+
     def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         return report_step(self, base.execute_model(self, *args, **kwargs))
 
@@ -95,6 +101,7 @@ def _evicting_subclass(base: type, attribute: str) -> type:
     return type("Evict" + base.__name__, (base,), {"init_device": init_device, "__module__": __name__,
                                                     "__qualname__": attribute,
                                                     "determine_available_memory": determine_available_memory,
+                                                    "get_kv_cache_spec": get_kv_cache_spec,
                                                     "execute_model": execute_model, "sample_tokens": sample_tokens})
 
 
