@@ -68,6 +68,14 @@ class Metric(enum.Enum):
         "vllm:kv_eviction_evicted_tokens", Kind.COUNTER, "Tokens dropped from the KV cache by eviction.")
     FREED_PAGES = MetricSpec(
         "vllm:kv_eviction_freed_pages", Kind.COUNTER, "KV-cache pages eviction returned to the block pool.")
+    PREFIX_COPIED_PAGES = MetricSpec(
+        "vllm:kv_eviction_prefix_copied_pages", Kind.COUNTER,
+        "Prefix caching: pages a request copied (pages hashed or shared with other requests) before its first "
+        "write into them; what sharing a cached prefix costs under eviction.")
+    PREFIX_UNCACHED_PAGES = MetricSpec(
+        "vllm:kv_eviction_prefix_uncached_pages", Kind.COUNTER,
+        "Prefix caching: hashed pages a request held alone and took out of the prefix cache (a BlockRemoved "
+        "event) to write them in place, the pool being too short for a copy.")
     EVICTION_STEPS = MetricSpec(
         "vllm:kv_eviction_steps", Kind.COUNTER, "Engine steps in which at least one request evicted tokens.")
     ELASTIC_COMPRESSIONS = MetricSpec(
@@ -138,6 +146,8 @@ class EvictionMetrics:
         self.child(Metric.EVICTED_TOKENS, engine).inc(step.tokens_evicted)
         self.child(Metric.FREED_PAGES, engine).inc(step.pages_freed)
         self.child(Metric.EVICTION_STEPS, engine).inc(step.eviction_steps)
+        self.child(Metric.PREFIX_COPIED_PAGES, engine).inc(step.prefix_copied_pages)
+        self.child(Metric.PREFIX_UNCACHED_PAGES, engine).inc(step.prefix_uncached_pages)
         self.child(Metric.ELASTIC_COMPRESSIONS, engine).inc(step.elastic_compressions)
         if step.refused_requests:
             self.child(Metric.REJECTED_REQUESTS, None, "engine_intake").inc(step.refused_requests)

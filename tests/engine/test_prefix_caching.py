@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from tests.engine.helpers import greedy, token_prompt
+from tests.engine.test_stats import delta, settle, snapshot
+from vllm_evict.metrics import Metric
 
 SHARED = token_prompt(160)["prompt_token_ids"]  # five pages of 32
 PROMPTS = [{"prompt_token_ids": SHARED + token_prompt(100, offset=7 + k)["prompt_token_ids"]} for k in range(3)]
@@ -165,13 +167,19 @@ def test_kv_events_describe_the_prefix_cache(engine_factory: Any, tiny_llama: st
     from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
 
     engine = engine_factory(tiny_llama, {"policy": "snapkv", "budget": 96}, enable_prefix_caching=True,
-                            pages=20, max_model_len=512, kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+                            pages=20, max_model_len=512, disable_log_stats=False,
+                            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
     batches: list[Any] = []
     engine.scheduler.kv_event_publisher.publish = batches.append
     guard = HashedPages(engine)
     arrivals = {0: [("a", PROMPTS[0], None), ("b", PROMPTS[1], None)], 2: [("c", PROMPTS[2], None)],
                 8: [("d", PROMPTS[0], None)]}
+    before = snapshot(engine)
     step_all(engine, guard, arrivals)
+    after = settle(engine)
+    # what the operator sees of it (docs/observability.md)
+    assert delta(before, after, Metric.PREFIX_COPIED_PAGES.value) == sharing(engine).copied_pages > 0
+    assert delta(before, after, Metric.PREFIX_UNCACHED_PAGES.value) == sharing(engine).uncached_pages
     router: set[Any] = set()
     for batch in batches:
         for event in batch.events:

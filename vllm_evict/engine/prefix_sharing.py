@@ -139,6 +139,7 @@ class PrefixSharing:
         if uncached:
             pool.evict_blocks({blocks[i].block_id for i in uncached})
             self.uncached_pages += len(uncached)
+            self.scheduler.accounting.prefix_pages(uncached=len(uncached))
         if copied:
             hit = self.hit_pages.get(request_id, 0)
             self.now[request_id] = Privatized(copied, [blocks[i] for i in copied], pool.get_new_blocks(len(copied)),
@@ -167,6 +168,7 @@ class PrefixSharing:
             self.pinned.setdefault(request_id, []).extend(done.held)
             self.retained.extend(b for b in done.sources if id(b) not in held)
             self.copied_pages += len(done.copies)
+            self.scheduler.accounting.prefix_pages(copied=len(done.copies))
             plan.copies[request_id] = ([b.block_id for b in done.sources], [b.block_id for b in done.copies])
             plan.pages[request_id] = [b.block_id for b in blocks]
         self.now = {}

@@ -38,6 +38,8 @@ class EvictionStepStats:
     eviction_steps: int = 0  # engine steps in which at least one request evicted (or was compressed)
     elastic_compressions: int = 0  # running elastic requests compressed to make room (instead of preempted)
     refused_requests: int = 0  # requests refused at the engine's intake for their eviction settings
+    prefix_copied_pages: int = 0  # hashed or shared pages copied when a request first wrote (prefix caching)
+    prefix_uncached_pages: int = 0  # hashed pages taken out of the prefix cache to be written in place
     finished_requests: dict[str, int] = field(default_factory=dict)  # policy -> requests that finished
     step_seconds: list[float] = field(default_factory=list)  # worker time in eviction, one entry per step
     tokens_cached: int = 0  # tokens physically cached by the running requests
@@ -155,6 +157,11 @@ class EvictionAccounting:
     def refused(self) -> None:
         """A request was refused at the engine's intake (it never ran)."""
         self.step.refused_requests += 1
+
+    def prefix_pages(self, *, copied: int = 0, uncached: int = 0) -> None:
+        """Prefix caching: pages a request copied, or took out of the cache, before writing into them."""
+        self.step.prefix_copied_pages += copied
+        self.step.prefix_uncached_pages += uncached
 
     def end_step(self) -> None:
         self.step.eviction_steps += int(self._evicted_in_step)
