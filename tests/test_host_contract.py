@@ -1260,7 +1260,7 @@ def _cases() -> list[Any]:
         add(f"SingleTypeKVCacheManager.{name}", expect_params(
             f"vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.{name}", "self", "request_id",
             *(("num_tokens",) if name != "free" else ()), prefix=True))
-    add("EvictingAttentionSpec:registry_manager_and_page_arithmetic", check_evicting_spec_registry)
+    add("KVCacheSpecRegistry:evicting_spec_manager_and_page_arithmetic", check_evicting_spec_registry)
     add("SingleTypeKVCacheManager.req_to_blocks+BlockPool.free_blocks", check_req_to_blocks_and_free_blocks)
     add("BlockPool.get_num_free_blocks", expect_attr("vllm.v1.core.block_pool.BlockPool.get_num_free_blocks"))
     for name in ("num_scheduled_tokens", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids",
