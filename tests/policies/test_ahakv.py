@@ -166,6 +166,39 @@ def test_refined_score_equals_naive_formula(group):
     assert not torch.allclose(got.double(), plain, rtol=1e-3, atol=1e-4)
 
 
+def naive_avg_pool(score, positions, kernel):
+    """SnapKV's pooling of [H, n] scores along each head's logical order: zero padding, divided by the
+    full kernel."""
+    out = torch.zeros_like(score, dtype=torch.float64)
+    for h in range(score.shape[0]):
+        order = sorted(range(score.shape[1]), key=lambda j: int(positions[h, j]))
+        for t, j in enumerate(order):
+            lo, hi = max(0, t - kernel // 2), min(len(order), t + kernel // 2 + 1)
+            out[h, j] = sum(float(score[h, order[u]]) for u in range(lo, hi)) / kernel
+    return out
+
+
+@pytest.mark.parametrize("prior_option,pooling", [("none", "none"), ("value", "avg"), ("none", "avg")])
+def test_prior_and_pooling_options_follow_the_formula(prior_option, pooling):
+    """prior "none": F_hat = F (the 'w/o VPE' ablation); pooling "avg": F smoothed as SnapKV smooths its
+    window mass (the window's columns zeroed, kernel 7, zero padding) before the prior."""
+    inp = build(h_kv=2, group=2, n=40, d=8, w=8, seed=5, shuffle=True)
+    pol = AhaKV(recent=6, value_kernel=5, prior=prior_option, pooling=pooling, kernel=7)
+    inp = with_init_state(pol, inp)
+    budget = 12
+    eta = math.sqrt(2 * max(math.log(int(inp.seq_len[0]) / budget), 0.0))
+    expected = naive_sg_rows(inp, range(2, 8), eta)
+    if pooling == "avg":  # the recent window's own columns are zeroed first, as SnapKV does
+        recent = inp.positions[0] > int(inp.positions[0].max()) - 6
+        expected = naive_avg_pool(expected.masked_fill(recent, 0.0), inp.positions[0], 7)
+    if prior_option == "value":
+        expected = naive_value_prior(inp, 5) * expected
+    got = pol.refined_score(with_budget(inp, budget))[0]
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-6)
+    default = AhaKV(recent=6, value_kernel=5).refined_score(with_budget(inp, budget))[0]
+    assert not torch.allclose(got, default, rtol=1e-3, atol=1e-5)  # each option changes the score
+
+
 def test_value_prior_pools_in_position_order_without_padding():
     vnorm = torch.tensor([[4.0, 1.0, 0.0, 2.0, 8.0]])
     positions = torch.tensor([[3, 0, 4, 1, 2]])  # logical order of nu: 1, 2, 8, 4, 0
@@ -382,6 +415,9 @@ def test_class_contract():
     ({"recent": 60, "sinks": 40}, r"budget 100 must be larger than the 100 tokens ahakv always keeps"),
     ({"window": 8}, r"unknown option 'window' for ahakv"),
     ({"gain": "linear"}, r"gain must be one of raw, scaled, none; got 'linear'"),
+    ({"prior": "key"}, r"prior must be one of value, none; got 'key'"),
+    ({"pooling": "max"}, r"pooling must be one of none, avg; got 'max'"),
+    ({"kernel": 6}, r"kernel must be an odd integer in \[1, 31\]"),
 ])
 def test_invalid_options(options, match):
     with pytest.raises(ValueError, match=match):

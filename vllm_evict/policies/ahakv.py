@@ -43,6 +43,8 @@ def sg_gain_host(length: np.ndarray, budget: np.ndarray) -> np.ndarray:
 
 
 GAINS = ("raw", "scaled", "none")
+PRIORS = ("value", "none")
+POOLINGS = ("none", "avg")
 
 
 def sg_gain(length: Tensor, budget: Tensor) -> Tensor:
@@ -80,6 +82,9 @@ class AhaKV(Policy):
     value_kernel: int = 5  # odd average-pooling kernel of the value prior
     sinks: int = 0
     gain: str = "raw"  # what the paper's lambda multiplies: "raw" q.k, the "scaled" logits, or "none"
+    prior: str = "value"  # the value prior gamma_bar on F (§3.5), or "none" (the paper's 'w/o VPE' ablation)
+    pooling: str = "none"  # "avg": F pooled as SnapKV pools its window mass (spec §9.7: an option)
+    kernel: int = 7  # odd kernel of that pooling (SnapKV's)
 
     @property
     def query_window(self) -> int:
@@ -90,6 +95,9 @@ class AhaKV(Policy):
         check_odd_kernel("value_kernel", self.value_kernel)
         check_int("sinks", self.sinks)
         check_choice("gain", self.gain, GAINS)
+        check_choice("prior", self.prior, PRIORS)
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_odd_kernel("kernel", self.kernel)
 
     def protected_count(self, budget: int) -> int:
         return self.recent + self.sinks
@@ -150,10 +158,21 @@ class AhaKV(Policy):
         return inp.window_mass(count=self.option(inp, "recent"), gain=self.logit_gain(inp))
 
     def refined_score(self, inp: EvictionInputs) -> Tensor:
-        """F_hat = gamma_bar * F (Eq. 15), fp32 [R, H_kv, N], finite and non-negative."""
+        """F_hat = gamma_bar * F (Eq. 15), fp32 [R, H_kv, N], finite and non-negative. With ``pooling``
+        "avg", F is first smoothed as SnapKV smooths its window mass; with ``prior`` "none", F_hat = F."""
+        score = self.window_score(inp)
+        if self.pooling != "none":
+            # As SnapKV: the window's own columns (kept anyway) are zeroed first, so that their mass does not
+            # spill onto the tokens just before the window.
+            window = dense.recent_mask(inp.positions, inp.valid, self.option(inp, "recent"))
+            score = dense.pool_in_position_order(score.masked_fill(window, 0.0), inp.positions, inp.valid,
+                                                 self.option(inp, "kernel"), self.pooling,
+                                                 self.option_max(inp, "kernel"))
+        if self.prior == "none":
+            return score
         vnorm = self._full_state(inp)["vnorm"]
         kernel, widest = self.option(inp, "value_kernel"), self.option_max(inp, "value_kernel")
-        return value_prior(vnorm, inp.positions, inp.valid, kernel, widest) * self.window_score(inp)
+        return value_prior(vnorm, inp.positions, inp.valid, kernel, widest) * score
 
     def decode_increment(self, inp: EvictionInputs) -> Tensor:
         """SG-softmax row(s) of this step's queries (the last ``num_new``), summed over the group."""
