@@ -54,6 +54,9 @@ KVPRESS_TWINS: tuple[Method, ...] = (
            note="kvpress's ObservedAttentionPress: mean attention per query that saw the token, no recent window"),
     Method("keydiff:oneshot", "keydiff", {"schedule": "oneshot"}, note="kvpress scores once after the prompt"),
     Method("random:oneshot", "random", {"schedule": "oneshot"}, note="kvpress draws once after the prompt"),
+    Method("tova:kvpress", "tova", {"recent": 1}, note="kvpress's TOVAPress always keeps the last token"),
+    Method("knorm:oneshot", "knorm", {"schedule": "oneshot"},
+           note="kvpress scores once after the prompt (chunk by chunk, later chunks' keys see an evicted cache)"),
 )
 
 ALTERNATIVES: tuple[Method, ...] = (
@@ -65,6 +68,13 @@ ALTERNATIVES: tuple[Method, ...] = (
     Method("ahakv:gain=scaled", "ahakv", {"gain": "scaled"},
            note="lambda = sqrt(2 ln(i/k) / d) on the already-scaled logits (Algorithm 1 read literally)"),
     Method("ahakv:gain=none", "ahakv", {"gain": "none"}, note="plain softmax (the paper's 'w/o SG-softmax' ablation)"),
+    Method("ahakv:prior=none", "ahakv", {"prior": "none"}, note="no value prior (the paper's 'w/o VPE' ablation)"),
+    Method("ahakv:pooling=avg", "ahakv", {"pooling": "avg"},
+           note="F smoothed as SnapKV smooths its mass, kernel 7 (Fig. 3's 'pooling smooths scores')"),
+    Method("ahakv:pooling=avg:gain=scaled", "ahakv", {"pooling": "avg", "gain": "scaled"},
+           note="both readings that kept the pass key at 0.875 in the 2k ablation"),
+    Method("ahakv:recent=16", "ahakv", {"recent": 16}, note="half the observation window"),
+    Method("ahakv:recent=64", "ahakv", {"recent": 64}, note="twice the observation window"),
     Method("h2o:recent=0", "h2o", {"recent": 0}, note="heavy hitters only (the CAOTE/KeyDiff harness)"),
     Method("h2o:mean", "h2o", {"accumulate": "mean"}, note="kvpress's normalisation, with the recent window"),
     Method("h2o:chunked", "h2o", {"schedule": "chunked"}, note="evict after every prompt chunk"),
@@ -90,19 +100,19 @@ def presses() -> dict[str, Press]:
 
     return {p.name: p for p in (
         Press("snapkv", "snapkv", lambda: SnapKVPress(window_size=32, kernel_size=7)),
-        Press("tova", "tova", lambda: TOVAPress()),
+        Press("tova", "tova:kvpress", lambda: TOVAPress()),
         Press("observed_attention", "h2o:kvpress", lambda: ObservedAttentionPress(), needs_attentions=True),
         Press("streaming_llm", "streamingllm", lambda: StreamingLLMPress(n_sink=4)),
         Press("keydiff", "keydiff:oneshot", lambda: KeyDiffPress()),
-        Press("knorm", "knorm", lambda: KnormPress()),
+        Press("knorm", "knorm:oneshot", lambda: KnormPress()),
         Press("random", "random:oneshot", lambda: RandomPress(seed=0)),
         Press("criticalkv+snapkv", "criticalkv+snapkv",
               lambda: CriticalKVPress(SnapKVPress(window_size=32, kernel_size=7), epsilon=1e-4, first_stage_ratio=0.5)),
     )}
 
 
-PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova", "observed_attention": "h2o:kvpress",
-               "streaming_llm": "streamingllm", "keydiff": "keydiff:oneshot", "knorm": "knorm",
+PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention": "h2o:kvpress",
+               "streaming_llm": "streamingllm", "keydiff": "keydiff:oneshot", "knorm": "knorm:oneshot",
                "random": "random:oneshot", "criticalkv+snapkv": "criticalkv+snapkv"}
 
 PROFILES: dict[str, tuple[str, ...]] = {
@@ -114,6 +124,8 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "quick": ("full", "snapkv", "tova", "h2o", "keydiff", "nacl", "ahakv", "caote+snapkv", "criticalkv+snapkv"),
     # the open readings only
     "alternatives": ("full", "snapkv", "h2o", "tova", "nacl", "ahakv", *(m.name for m in ALTERNATIVES)),
+    # AhaKV's readings beside SnapKV (issue #30's small-budget ablation)
+    "ahakv": ("full", "snapkv", "ahakv", *(m.name for m in ALTERNATIVES if m.spec == "ahakv")),
 }
 
 

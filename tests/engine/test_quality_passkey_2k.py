@@ -10,9 +10,10 @@ key in the output), 4 needle depths from 0.05 to 0.95, prompts of 2,000 tokens. 
 on 2 CPU cores, in bfloat16 and again in float32, with the same hits. The test runs in float32 because
 bfloat16 is emulated on CPUs without AVX-512: on an AVX2-only AMD EPYC it took 73 s per 2k-token prompt
 against 12 s in float32. The table below is of the earlier 6-depth version of this test (about 5 min in
-float32, 24 prompts); to keep the suite within CI's 30 minutes it now runs 4 depths (0.05, 0.4, 0.75,
-0.95) and no KeyDiff row (12 prompts, under 3 min): KeyDiff's passkey runs at 1k tokens in
-test_quality_passkey.py, and the depths kept include the two inside StreamingLLM's window and two outside.
+float32, 24 prompts); to keep the suite within CI's 30 minutes it now runs 3 depths (0.05, 0.75, 0.95)
+and no KeyDiff row (9 prompts, about 2 min): KeyDiff's passkey runs at 1k tokens in
+test_quality_passkey.py, and the depths kept are the two inside StreamingLLM's window and one outside
+(what every method keeps is pinned, method by method, by tests/quality/test_kept_tokens.py).
 
 ================  =====
 method            hits
@@ -25,7 +26,7 @@ streamingllm@512  2/6   (control: keeps the first 4 and the last 508 tokens, so 
 ================  =====
 
 At 1,854 tokens (8 depths) full, snapkv, keydiff and caote+snapkv at 512 all found 8/8.
-Asserted with a margin: the full cache finds at least 3 of 4, snapkv at least full - 1, and the
+Asserted with a margin: the full cache finds at least 2 of 3, snapkv at least full - 1, and the
 StreamingLLM control at most 2, the needles inside its window (which shows that eviction really ran and that the task can fail).
 """
 
@@ -40,7 +41,7 @@ from tests.engine.test_quality_passkey import passkey_prompts, run_method
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 BUDGET = 512
-DEPTHS = (0.05, 0.4, 0.75, 0.95)
+DEPTHS = (0.05, 0.75, 0.95)
 REPEATS = 81  # filler sentences: 2,000 tokens with Qwen2.5's tokenizer
 METHODS = {
     "full": {"kv_eviction": "none"},
@@ -72,6 +73,6 @@ def test_passkey_2k_full_vs_eviction(qwen_path, engine_factory):
         hits[method] = sum(key in text for key, text in zip(keys, texts))
         print(f"{method:13s} {hits[method]}/{len(keys)} ({time.monotonic() - start:.1f} s): {texts}")
 
-    assert hits["full"] >= 3, hits
+    assert hits["full"] >= 2, hits
     assert hits["snapkv"] >= hits["full"] - 1, hits
     assert hits["streamingllm"] <= 2, hits

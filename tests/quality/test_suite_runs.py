@@ -1,11 +1,12 @@
 """The quality suite's runners on SmolLM2-135M-Instruct (float32), a 512-token passkey sample: the engine
-runner in both settings, its realised-ratio accounting, and kvpress on the same sample.
+runner in both settings, its realised-ratio accounting, and kvpress on the same sample. The engine
+(``llm``, tests/quality/conftest.py) is shared with test_kept_tokens.py.
 
 About 30 s of CPU (engine start-up included) on a quiet 2-core machine."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,14 +19,6 @@ from benchmarks.quality import prompts as P
 pytestmark = [pytest.mark.engine]
 
 RATIO = 0.5
-
-
-@pytest.fixture(scope="module")
-def llm(smollm2_path) -> Iterator[Any]:
-    built = E.make_llm(str(smollm2_path), dtype="float32", max_model_len=1024, chunk=256, max_num_seqs=8,
-                       kv_bytes=1 << 28)
-    yield built
-    built.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture(scope="module")

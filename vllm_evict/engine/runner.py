@@ -345,6 +345,8 @@ class EvictRunnerMixin:
         if row is None:
             raise KeyError(f"the worker holds no row for request {request_id}")
         length = int(self.evict_rows.cached[row])
+        # A compaction of the last step reaches the rows with the next step: until then its length is this.
+        length = next((c.keep for c in self.evict_compactions if c.request_id == request_id), length)
         pages = max(1, -(-length // self.evict_buffers.geometry.page_size))
         table = view.page_table([request_id], pages, self.evict_builder.staging.to_device)
         return [gather_tokens(cache.positions, table, length)[0].long().clone() for cache in self.evict_layers]
