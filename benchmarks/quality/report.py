@@ -111,7 +111,9 @@ def task_table(table: Table, backend: str, setting: str, ratio: float) -> str:
 
 
 READING_GROUPS = {
-    "AhaKV's gain": ("ahakv", "ahakv:gain=scaled", "ahakv:gain=none"),
+    "AhaKV's readings, beside SnapKV": ("snapkv", "ahakv", "ahakv:gain=scaled", "ahakv:gain=none", "ahakv:prior=none",
+                                        "ahakv:pooling=avg", "ahakv:pooling=avg:gain=scaled", "ahakv:recent=16",
+                                        "ahakv:recent=64"),
     "NaCl's proxies and random share": ("nacl", "nacl:proxy=question", "nacl:proxy=10%", "nacl:random=0.7",
                                         "nacl:random=0"),
     "H2O's recent window, accumulation and schedule": ("h2o", "h2o:recent=0", "h2o:mean", "h2o:kvpress",
@@ -133,9 +135,15 @@ def readings_table(table: Table, setting: str, names: Sequence[str]) -> str | No
              if sum(table.task_score(("engine", setting, n, c[1]), c[0]) is not None for n in present) >= 2]
     if not cells:
         return None
-    header = "| reading | " + " | ".join(f"{t} {r:g}" for t, r in cells) + " |\n|---|" + "---|" * len(cells) + "\n"
+    # Per ratio, each reading's mean over the tasks every reading has at that ratio (tasks weigh equally).
+    ratios = sorted({r for _, r in cells})
+    common = {r: table.tasks([("engine", setting, n, r) for n in present]) for r in ratios}
+    means = [r for r in ratios if common[r]]
+    header = ("| reading | " + " | ".join(f"mean {r:g}" for r in means) + (" | " if means else "")
+              + " | ".join(f"{t} {r:g}" for t, r in cells) + " |\n|---|" + "---|" * (len(means) + len(cells)) + "\n")
     return header + "\n".join(
-        f"| {n} | " + " | ".join(_fmt(table.task_score(("engine", setting, n, r), t), 0) for t, r in cells) + " |"
+        f"| {n} | " + "".join(f"{_fmt(table.score(('engine', setting, n, r), common[r]))} | " for r in means)
+        + " | ".join(_fmt(table.task_score(("engine", setting, n, r), t), 0) for t, r in cells) + " |"
         for n in present) + "\n"
 
 

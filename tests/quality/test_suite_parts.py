@@ -214,3 +214,16 @@ def test_side_by_side_and_claims_read_the_right_rows():
     assert "aware: caote+snapkv >= snapkv: 0.5: 100.0 vs 0.0 ok" in claims
     assert "aware: criticalkv+snapkv >= snapkv: 0.5: 0.0 vs 0.0 ok" in claims
     assert "best method at ratio 0.5 within 5 points of the full cache: caote+snapkv 100.0 vs 100.0 ok" in claims
+
+
+def test_readings_table_means_each_ratio_over_the_tasks_every_reading_has():
+    rows = [record(method="ahakv", task="passkey", ratio=0.875, score=1.0),
+            record(method="ahakv", task="vt", ratio=0.875, score=0.0),
+            record(method="snapkv", task="passkey", ratio=0.875, score=0.0),
+            record(method="snapkv", task="passkey", ratio=0.9375, score=1.0),
+            record(method="ahakv", task="passkey", ratio=0.9375, score=1.0)]
+    text = report.readings_table(report.Table(rows), "aware", ("snapkv", "ahakv"))
+    lines = text.splitlines()
+    assert lines[0] == "| reading | mean 0.875 | mean 0.9375 | passkey 0.875 | passkey 0.9375 |"
+    assert lines[2] == "| snapkv | 0.0 | 100.0 | 0 | 100 |"
+    assert lines[3] == "| ahakv | 100.0 | 100.0 | 100 | 100 |"  # vt: snapkv has none, so no mean counts it
