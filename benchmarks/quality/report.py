@@ -111,9 +111,10 @@ def task_table(table: Table, backend: str, setting: str, ratio: float) -> str:
 
 
 READING_GROUPS = {
-    "AhaKV's readings, beside SnapKV": ("snapkv", "ahakv", "ahakv:gain=scaled", "ahakv:gain=none", "ahakv:prior=none",
-                                        "ahakv:pooling=avg", "ahakv:pooling=avg:gain=scaled", "ahakv:recent=16",
-                                        "ahakv:recent=64"),
+    "AhaKV's readings, beside SnapKV": ("snapkv", "ahakv", "ahakv:gain=raw", "ahakv:pooling=none",
+                                        "ahakv:gain=raw:pooling=none", "ahakv:gain=none:pooling=none",
+                                        "ahakv:prior=none:gain=raw:pooling=none",
+                                        "ahakv:recent=16:gain=raw:pooling=none", "ahakv:recent=64:gain=raw:pooling=none"),
     "NaCl's proxies and random share": ("nacl", "nacl:proxy=question", "nacl:proxy=10%", "nacl:random=0.7",
                                         "nacl:random=0"),
     "H2O's recent window, accumulation and schedule": ("h2o", "h2o:recent=0", "h2o:mean", "h2o:kvpress",

@@ -14,6 +14,11 @@ from vllm_evict.policies.base import Phase
 from .helpers import one_row, step, with_budget
 
 
+# The reading the formula tests below are written for: the gain on the raw q.k, F not pooled (the
+# options' other values are tested against their own formulas).
+RAW = {"gain": "raw", "pooling": "none"}
+
+
 def gain_of(length: int, budget: int) -> float:
     return float(sg_gain(torch.tensor([length]), torch.tensor([budget]))[0])
 
@@ -128,7 +133,7 @@ def test_gain_per_row():
 
 def test_gain_uses_logical_length_and_given_budget():
     inp = build(n=40, positions=list(range(0, 4000, 100)), w=4)  # an evicted cache: seq_len 3901
-    pol = AhaKV(recent=4)
+    pol = AhaKV(recent=4, **RAW)
     assert inp.seq_len.tolist() == [3901]
     assert float(pol.logit_gain(with_budget(inp, 720))[0]) == pytest.approx(math.sqrt(2 * math.log(3901 / 720)))
     # without a budget: the physical size stands in for it
@@ -140,11 +145,11 @@ def test_gain_readings():
     the scaled logits), the already-scaled logits (Algorithm 1 literally: eta = lambda), or nothing."""
     inp = with_budget(build(n=40, positions=list(range(0, 4000, 100)), w=4, d=16), 720)
     eta = math.sqrt(2 * math.log(3901 / 720))
-    assert float(AhaKV(recent=4).logit_gain(inp)[0]) == pytest.approx(eta)
+    assert float(AhaKV(recent=4, **RAW).logit_gain(inp)[0]) == pytest.approx(eta)
     assert float(AhaKV(recent=4, gain="scaled").logit_gain(inp)[0]) == pytest.approx(eta / 4.0)  # sqrt(d) = 4
     assert AhaKV(recent=4, gain="none").logit_gain(inp) is None
     # The reading changes the score: a plain softmax is flatter than the sharpened one here (eta > 1).
-    sharp, plain = AhaKV(recent=4).window_score(inp), AhaKV(recent=4, gain="none").window_score(inp)
+    sharp, plain = AhaKV(recent=4, **RAW).window_score(inp), AhaKV(recent=4, gain="none").window_score(inp)
     assert float(sharp.max()) > float(plain.max())
     torch.testing.assert_close(sharp.sum(-1), plain.sum(-1))  # both sum 4 rows x G heads of mass 1
 
@@ -154,7 +159,7 @@ def test_gain_readings():
 def test_refined_score_equals_naive_formula(group):
     inp = build(h_kv=2, group=group, n=48, d=8, w=10, seed=group, shuffle=True,
                 positions=list(range(0, 480, 10))[:-6] + list(range(474, 480)))  # sparse history + dense tail
-    pol = AhaKV(recent=6, value_kernel=5)
+    pol = AhaKV(recent=6, value_kernel=5, **RAW)
     inp = with_init_state(pol, inp)
     budget = 20
     expected = naive_fhat(inp, budget, recent=6, kernel=5)
@@ -183,7 +188,7 @@ def test_prior_and_pooling_options_follow_the_formula(prior_option, pooling):
     """prior "none": F_hat = F (the 'w/o VPE' ablation); pooling "avg": F smoothed as SnapKV smooths its
     window mass (the window's columns zeroed, kernel 7, zero padding) before the prior."""
     inp = build(h_kv=2, group=2, n=40, d=8, w=8, seed=5, shuffle=True)
-    pol = AhaKV(recent=6, value_kernel=5, prior=prior_option, pooling=pooling, kernel=7)
+    pol = AhaKV(recent=6, value_kernel=5, prior=prior_option, pooling=pooling, kernel=7, gain="raw")
     inp = with_init_state(pol, inp)
     budget = 12
     eta = math.sqrt(2 * max(math.log(int(inp.seq_len[0]) / budget), 0.0))
@@ -195,7 +200,7 @@ def test_prior_and_pooling_options_follow_the_formula(prior_option, pooling):
         expected = naive_value_prior(inp, 5) * expected
     got = pol.refined_score(with_budget(inp, budget))[0]
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-6)
-    default = AhaKV(recent=6, value_kernel=5).refined_score(with_budget(inp, budget))[0]
+    default = AhaKV(recent=6, value_kernel=5, **RAW).refined_score(with_budget(inp, budget))[0]
     assert not torch.allclose(got, default, rtol=1e-3, atol=1e-5)  # each option changes the score
 
 
@@ -230,7 +235,7 @@ def test_value_prior_ignores_padding():
 @pytest.mark.parametrize("group", [1, 3, 7])
 def test_prompt_end_eviction_keeps_recent_plus_top_fhat_and_seeds_score(group):
     inp = build(h_kv=2, group=group, n=64, w=8, seed=10 + group, shuffle=True)
-    pol = AhaKV(recent=8)
+    pol = AhaKV(recent=8, **RAW)
     inp = with_init_state(pol, inp)
     budget = 24
     res = step(pol, inp, budget)
@@ -246,7 +251,7 @@ def test_prompt_end_eviction_keeps_recent_plus_top_fhat_and_seeds_score(group):
 def test_recent_window_kept_even_when_its_values_are_zero():
     inp = build(h_kv=1, group=2, n=50, w=6, seed=3)
     inp.values[0, :, -10:] = 0.0  # window tokens (and neighbours) get value prior 0
-    pol = AhaKV(recent=6)
+    pol = AhaKV(recent=6, **RAW)
     inp = with_init_state(pol, inp)
     res = step(pol, inp, 12)
     assert set(range(44, 50)) <= set(res.keep[0, 0].tolist())
@@ -256,17 +261,17 @@ def test_recent_window_kept_even_when_its_values_are_zero():
 def test_sinks_option_protects_first_tokens():
     inp = build(h_kv=2, group=1, n=50, w=4, seed=4)
     inp.values[0, :, :3] = 0.0
-    pol = AhaKV(recent=4, sinks=3)
+    pol = AhaKV(recent=4, sinks=3, **RAW)
     res = step(pol, with_init_state(pol, inp), 10)
     for h in range(2):
         assert {0, 1, 2} <= set(res.keep[0, h].tolist())
-    res0 = step(AhaKV(recent=4), with_init_state(pol, inp), 10)
+    res0 = step(AhaKV(recent=4, **RAW), with_init_state(pol, inp), 10)
     assert not {0, 1}.issubset(set(res0.keep[0, 0].tolist()))  # value prior 0 and far from the window
 
 
 def test_longer_context_gives_sharper_scores():
     """Same keys and queries; a longer logical length raises the gain, concentrating F on fewer tokens."""
-    pol = AhaKV(recent=8)
+    pol = AhaKV(recent=8, **RAW)
     n, budget = 80, 60
 
     def fmass(stride):
@@ -286,7 +291,7 @@ def test_longer_context_gives_sharper_scores():
 
 def test_prefill_chunk_without_eviction_leaves_state_alone():
     inp = build(n=30, w=8, phase=Phase.PREFILL)
-    pol = AhaKV(recent=8)
+    pol = AhaKV(recent=8, **RAW)
     state = {"vnorm": torch.rand(1, 2, 30), "score": torch.rand(1, 2, 30)}
     res = step(pol, inp.with_state(state), None)
     assert res.keep is None
@@ -295,7 +300,7 @@ def test_prefill_chunk_without_eviction_leaves_state_alone():
 
 def test_prefill_eviction_seeds_score_with_fhat():
     inp = build(h_kv=2, group=3, n=70, w=8, seed=6, phase=Phase.PREFILL)
-    pol = AhaKV(recent=8)
+    pol = AhaKV(recent=8, **RAW)
     inp = with_init_state(pol, inp)
     res = step(pol, inp, 30)
     torch.testing.assert_close(res.state["score"][0].double(), naive_fhat(inp, 30, recent=8), rtol=1e-4, atol=1e-6)
@@ -305,7 +310,7 @@ def test_prefill_eviction_seeds_score_with_fhat():
 def test_prompt_end_without_eviction_still_seeds_score():
     # prompt of 40 tokens under a larger budget: no eviction (budget None); i <= k, so gain 0 (uniform rows)
     inp = build(h_kv=2, group=3, n=40, w=8, seed=7)
-    pol = AhaKV(recent=8)
+    pol = AhaKV(recent=8, **RAW)
     inp = with_init_state(pol, inp)
     res = step(pol, inp, None)
     assert res.keep is None
@@ -324,7 +329,7 @@ def decode_inputs(group=3, n=30, w=8, seed=8, shuffle=True):
         for h in range(2):
             perm = torch.cat([torch.randperm(n - 1, generator=g), torch.tensor([n - 1])])
             inp.positions[0, h] = inp.positions[0, h][perm]
-    pol = AhaKV(recent=4)
+    pol = AhaKV(recent=4, **RAW)
     old = {"vnorm": torch.rand(2, n - 1) + 0.1, "score": torch.rand(2, n - 1) * 3}
     new = pol.init_state(inp.keys[0, :, -1:], inp.values[0, :, -1:], None)
     new["score"] = torch.zeros(2, 1)  # a new token's score starts at 0
@@ -381,7 +386,7 @@ def test_decode_over_several_steps_accumulates():
 # ---- attention mass and the engine-facing contract ------------------------------------------------
 def test_attention_mass_is_fhat_in_prompt_and_score_in_decode():
     inp = build(h_kv=2, group=3, n=50, w=8, seed=9)
-    pol = AhaKV(recent=8)
+    pol = AhaKV(recent=8, **RAW)
     inp = with_init_state(pol, inp)
     mass = pol.attention_mass(inp)
     assert torch.isfinite(mass).all() and (mass >= 0).all()

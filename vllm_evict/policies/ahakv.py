@@ -4,10 +4,16 @@ Spec: ahakv.md. Per KV head h, with the recommended resolutions ([R]) of the spe
 
 * prefill (§3.2-3.6): F_h = sum over the last r = ``recent`` queries and over the G query heads of
   the group of SG-softmax rows, i.e. softmax(eta * scale * q.k) with the length-adaptive gain
-  eta = sqrt(2 ln(i / k)) (§3.3; i = logical length, k = budget, ln clamped at 0);
+  lambda = sqrt(2 ln(i / k) / d) on the scaled logits (Algorithm 1 as written, ``gain="scaled"``; §3.3's
+  derivation puts it on the raw q.k, eta = sqrt(2 ln(i / k)): ``gain="raw"``; i = logical length,
+  k = budget, ln clamped at 0); F pooled along the positions as SnapKV pools its window mass (average,
+  kernel 7, the window's own columns zeroed: ``pooling="avg"``, Fig. 3's "pooling smooths scores");
   value prior gamma_bar = avgpool(nu) / max(avgpool(nu)) with nu = |v|^2 (kernel ``value_kernel``,
   stride 1, same padding, count_include_pad=False, pooled in logical-position order);
   F_hat = gamma_bar * F. Keep the recent window plus the top F_hat. F_hat seeds the decode score.
+  The two defaults (scaled gain, pooled F) are the readings the quality suite supports at small budgets
+  (issue #30's ablation, docs/benchmarks/quality.md#ahakv-at-small-budgets); the derivation's gain with
+  an unpooled F, the earlier default, lost the pass key at 6% of a 2k prompt.
 * decode (§4, Algorithm 1 line 27): every step the SG-softmax row(s) of this step's query are added
   to the per-token ``score`` state (no value prior; new tokens start at 0). A decode eviction keeps
   the recent window plus the top ``score``.
@@ -81,9 +87,9 @@ class AhaKV(Policy):
     recent: int = 32  # the observation window r = B_r, whose tokens are also kept
     value_kernel: int = 5  # odd average-pooling kernel of the value prior
     sinks: int = 0
-    gain: str = "raw"  # what the paper's lambda multiplies: "raw" q.k, the "scaled" logits, or "none"
+    gain: str = "scaled"  # what the paper's lambda multiplies: the "scaled" logits, the "raw" q.k, or "none"
     prior: str = "value"  # the value prior gamma_bar on F (§3.5), or "none" (the paper's 'w/o VPE' ablation)
-    pooling: str = "none"  # "avg": F pooled as SnapKV pools its window mass (spec §9.7: an option)
+    pooling: str = "avg"  # F pooled as SnapKV pools its window mass (spec §9.7), or "none"
     kernel: int = 7  # odd kernel of that pooling (SnapKV's)
 
     @property
