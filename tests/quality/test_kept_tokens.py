@@ -24,6 +24,7 @@ from torch import Tensor
 
 from benchmarks.quality import methods as M
 from tests.quality import kept_golden as G
+from tests.scaleout.helpers import external_id
 
 pytestmark = [pytest.mark.engine]
 
@@ -46,11 +47,6 @@ def golden() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cases(llm) -> dict[str, G.Case]:
     return {G.key(case): case for case in G.cases(llm.get_tokenizer())}
-
-
-def external_id(engine_request_id: str) -> str:
-    """vLLM's front end appends '-<8 random characters>' to a request's id."""
-    return engine_request_id.rsplit("-", 1)[0]
 
 
 @pytest.fixture(scope="module")
