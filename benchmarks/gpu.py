@@ -1,4 +1,4 @@
-"""vllm-evict on a GPU: kernels, host contract, the engine's correctness in bf16 with FA3 and piecewise CUDA
+"""vllm-evict on a GPU: kernels, host contract, the engine's correctness in bf16 with FA3 and vLLM's default CUDA
 graphs on both model runners with async scheduling, and vanilla vs eviction with Llama-3.1-8B geometry.
 
     python benchmarks/gpu.py prepare --out .gpu/models          # here: dummy-model folders (config + tokenizer)
@@ -157,7 +157,7 @@ def plan(args: argparse.Namespace) -> list[Phase]:
                      [py, me, "env", "--json", str(out / "env.json")]),
         "engine-vanilla": Phase("engine-vanilla", "small dummy model without the plugin (V2, async): reference "
                                 "tokens; CriticalKV refused on fp8", 50, 240, engine("v2", True), {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
-        "engine-v2": Phase("engine-v2", "bf16 + FA3 + piecewise graphs, Model Runner V2, async scheduling: exactness, "
+        "engine-v2": Phase("engine-v2", "bf16 + FA3 + vLLM's CUDA graphs (full where no layer evicts), Model Runner V2, async: exactness, "
                            "page bounds, zero syncs, no compile after start-up", 90, 330, engine("v2", False),
                            {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
         "engine-v1": Phase("engine-v1", "the same on the V1 runner", 70, 330, engine("v1", False),
@@ -329,7 +329,7 @@ def markdown(results: dict[str, Any]) -> str:
     checks = [(name, r) for name, p in phases.items() if name.startswith("engine")
               for r in (p.get("data") or {}).get("records", []) if r.get("kind") == "check"]
     if checks:
-        lines += ["", "| engine check (small dummy model, bf16, FA3, piecewise graphs, async scheduling) | phase | "
+        lines += ["", "| engine check (small dummy model, bf16, FA3, vLLM's default CUDA graphs, async scheduling) | phase | "
                       "result |", "|---|---|---|"]
         for name, check in checks:
             lines.append(f"| {check['name']} | {name} | {'pass' if check['ok'] else 'FAIL'}: {check.get('detail', '')} |")

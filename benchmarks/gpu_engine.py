@@ -2,7 +2,7 @@
 per process.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the scheduler and the model
-runner can be watched; every engine uses bf16, FlashAttention 3, piecewise CUDA graphs (vLLM compiles
+runner can be watched; every engine uses bf16, FlashAttention 3, vLLM's default CUDA graphs (vLLM compiles
 the model; attention runs between the captured pieces, where eviction's hooks are), 16-token pages,
 dummy weights, async scheduling as vLLM sets it on a GPU (on), and the model runner the caller chose
 (``VLLM_USE_V2_MODEL_RUNNER``, set by gpu.py before vLLM is imported). Every check and every figure goes
@@ -44,8 +44,7 @@ def engine_kwargs(model: str, *, kv_bytes: int, max_model_len: int, max_num_seqs
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len, block_size=PAGE,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=CHUNK, enable_prefix_caching=False, seed=0,
         kv_cache_memory_bytes=kv_bytes, disable_log_stats=True,  # async scheduling: vLLM's choice (on)
-        attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3},
-        compilation_config={"cudagraph_mode": "PIECEWISE"})
+        attention_config={"backend": "FLASH_ATTN", "flash_attn_version": 3})  # CUDA graphs: vLLM's default
     if eviction is not None:
         kwargs["additional_config"] = {"kv_eviction": eviction}
     return kwargs
@@ -88,6 +87,36 @@ def greedy(max_tokens: int, logprobs: int | None = None, **extra: Any) -> Any:
 
 
 # ---- watching the eviction path --------------------------------------------------------------------
+class GraphModes:
+    """The CUDA graph mode vLLM picks for every scheduled step, beside whether the step had eviction work
+    in some layer (engine/cuda_graphs.py): full graphs must run on steps without, never on steps with."""
+
+    def __init__(self, runner: Any) -> None:
+        from vllm_evict.engine.cuda_graphs import HOOK_ATTR
+
+        self.picks: list[tuple[bool, str]] = []
+        if hasattr(runner, "cudagraph_manager"):  # Model Runner V2: a BatchExecutionDescriptor
+            owner, read = runner.cudagraph_manager, lambda result: result.cg_mode.name
+        else:  # V1: (mode, BatchDescriptor)
+            owner, read = runner.cudagraph_dispatcher, lambda result: result[0].name
+        guarded = owner.dispatch
+        assert hasattr(guarded, HOOK_ATTR), "the plugin did not guard vLLM's CUDA graph pick"
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            result = guarded(*args, **kwargs)
+            self.picks.append((bool(runner.evict_layer_step), read(result)))
+            return result
+
+        owner.dispatch = dispatch
+
+    def summary(self) -> tuple[bool, str]:
+        full_free = sum(1 for work, mode in self.picks if not work and mode == "FULL")
+        full_work = sum(1 for work, mode in self.picks if work and mode == "FULL")
+        free = sum(1 for work, _ in self.picks if not work)
+        return (full_free > 0 and full_work == 0,
+                f"{len(self.picks)} picks: FULL on {full_free} of {free} without eviction work, on {full_work} with it")
+
+
 class PathMonitor:
     """Around the eviction hooks (vLLM's attention forward inside them excluded), the step builder,
     elastic compressions and the per-row bookkeeping: every synchronising CUDA call (``torch.cuda.set_sync_debug_mode("warn")``,
@@ -320,6 +349,10 @@ def engine_checks(model: str, records: Any, runner: str, reference: Path | None)
                llm.llm_engine.vllm_config.scheduler_config.async_scheduling is True
                and isinstance(scheduler, EvictAsyncScheduler), type(scheduler).__name__)
     monitor = PathMonitor(model_runner)
+    graphs = GraphModes(model_runner)
+    checks.add("vLLM's default CUDA graph mode kept (FULL_AND_PIECEWISE)",
+               llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE",
+               llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name)
     prompts = exact_prompts(model)
     off = token_record(llm.generate(prompts, greedy(EXACT_TOKENS, logprobs=0, kv_eviction="none"), use_tqdm=False))
     on = token_record(llm.generate(prompts, greedy(EXACT_TOKENS, logprobs=0), use_tqdm=False))
@@ -341,8 +374,9 @@ def engine_checks(model: str, records: Any, runner: str, reference: Path | None)
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     complete = sum(len(o.outputs[0].token_ids) == 64 for o in finished)
-    checks.add("every method evicts in bf16 + FA3 + piecewise graphs", complete == len(specs) and tracker.evictions > 0,
+    checks.add("every method evicts in bf16 + FA3 + vLLM's CUDA graphs", complete == len(specs) and tracker.evictions > 0,
                f"{complete}/{len(specs)} requests complete, {tracker.evictions} (request, step) evictions")
+    checks.add("full CUDA graphs on steps without eviction work, never on steps with it", *graphs.summary())
     checks.add("pages within each request's bound", not tracker.violations,
                f"largest pages/bound {tracker.worst:.2f}" + (f"; {tracker.violations[:3]}" if tracker.violations else ""))
     checks.add("no host-device sync in the hooks, the step builder and the row bookkeeping",
@@ -440,7 +474,7 @@ def bench(model: str, records: Any, *, runner: str, scenario: str, side: str, kv
     case = scenarios(requests_8k, quick)[scenario]
     common = dict(kv_bytes=int(kv_gib * GIB), max_model_len=MAX_MODEL_LEN, max_num_seqs=128)
     notes = [f"KV memory of each engine: {kv_gib} GiB (eviction's buffers come out of it); chunk {CHUNK} tokens; "
-             f"pages of {PAGE}; Llama-3.1-8B geometry, dummy weights, bf16, FA3, piecewise CUDA graphs, async "
+             f"pages of {PAGE}; Llama-3.1-8B geometry, dummy weights, bf16, FA3, vLLM's default CUDA graphs, async "
              "scheduling; one engine per process."]
     started = time.perf_counter()
     eviction = None

@@ -389,7 +389,7 @@ def startup_refusals() -> list[str]:
         lambda: guards.check_kv_transfer({"kv_connector": "LMCacheConnectorV1"}),
         lambda: guards.check_kv_transfer(None, 8),
         lambda: guards.check_micro_batching(True, 0),
-        lambda: guards.configure_engine_args(args(compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}),
+        lambda: guards.configure_engine_args(args(compilation_config={"cudagraph_mode": "FULL"}),
                                              on_cpu=False),
         lambda: guards.configure_engine_args(args(compilation_config={"pass_config": {"fuse_attn_quant": True}}),
                                              on_cpu=False),

@@ -1024,6 +1024,106 @@ def check_v2_input_batch_fields() -> None:
     assert wanted <= names, f"vLLM changed {V2}.input_batch.InputBatch: field(s) {sorted(wanted - names)} gone"
 
 
+# ---- full CUDA graphs on steps without eviction work (engine/cuda_graphs.py) ----------------------------
+def check_cuda_graph_mixed_modes() -> None:
+    """guards.py refuses a mode whose mixed batches run full graphs; the others keep a graph without
+    attention inside (or none) for the steps with eviction work."""
+    from vllm.config.compilation import CUDAGraphMode as M
+
+    got = {m.name: m.mixed_mode().name for m in (M.FULL, M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY, M.PIECEWISE)}
+    assert got == {"FULL": "FULL", "FULL_AND_PIECEWISE": "PIECEWISE", "FULL_DECODE_ONLY": "NONE",
+                   "PIECEWISE": "PIECEWISE"}, f"vLLM changed CUDAGraphMode.mixed_mode: {got}"
+
+
+def _graph_config(mode: str) -> Any:
+    """A VllmConfig with CUDA graphs of ``mode`` for batches of up to 8 tokens (no model, no GPU)."""
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))  # the CUDA build finds no device here
+    compilation = config.compilation_config
+    compilation.mode, compilation.splitting_ops = CompilationMode.VLLM_COMPILE, None
+    compilation.cudagraph_mode = CUDAGraphMode[mode]
+    compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    compilation.cudagraph_capture_sizes, compilation.max_cudagraph_capture_size = [1, 2, 4, 8], 8
+    return config
+
+
+def check_v1_dispatch_keeps_full_graphs_off_eviction_steps() -> None:
+    """The V1 runner's real dispatcher under the plugin's guard: a uniform decode batch replays a FULL graph
+    on a step without eviction work, a PIECEWISE one (FULL_AND_PIECEWISE) or none (FULL_DECODE_ONLY) on a
+    step with it, through vLLM's own ``invalid_modes``."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    from vllm_evict.engine.cuda_graphs import guard_v1_dispatcher
+
+    for mode, with_work in (("FULL_AND_PIECEWISE", "PIECEWISE"), ("FULL_DECODE_ONLY", "NONE")):
+        dispatcher = CudagraphDispatcher(_graph_config(mode))
+        dispatcher.initialize_cudagraph_keys(CUDAGraphMode[mode], 1)
+        runner = SimpleNamespace(cudagraph_dispatcher=dispatcher, evict_layer_step=False)
+        assert guard_v1_dispatcher(runner)
+        got = []
+        for work in (False, True):
+            runner.evict_layer_step = work
+            got.append(dispatcher.dispatch(num_tokens=3, uniform_decode=True, has_lora=False,
+                                           num_active_loras=0)[0].name)
+        assert got == ["FULL", with_work], (
+            f"vLLM changed CudagraphDispatcher.dispatch: under {mode} a 3-request decode batch got {got[0]} without "
+            f"eviction work and {got[1]} with it (expected FULL, {with_work})")
+
+
+def check_v2_dispatch_keeps_full_graphs_off_eviction_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model Runner V2's real graph manager under the plugin's guard (asked without a uniform token count
+    and a query bound on steps with eviction work), built without a GPU: its pipeline group and graph pool
+    are stand-ins."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_evict.engine.cuda_graphs import guard_v2_manager
+
+    utils = importlib.import_module(f"{V2}.cudagraph_utils")
+    monkeypatch.setattr(utils, "get_pp_group", lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True))
+    monkeypatch.setattr(utils, "current_platform", SimpleNamespace(get_global_graph_pool=lambda: None))
+    for mode, with_work in (("FULL_AND_PIECEWISE", "PIECEWISE"), ("FULL_DECODE_ONLY", "NONE")):
+        manager = utils.CudaGraphManager(_graph_config(mode), torch.device("cpu"), CUDAGraphMode[mode],
+                                         decode_query_len=1)
+        manager._graphs_captured = True  # as after capture (nothing is captured here)
+        runner = SimpleNamespace(cudagraph_manager=manager, evict_layer_step=False, evict_view=None)
+        assert guard_v2_manager(runner)
+        got = []
+        for work in (False, True):
+            runner.evict_layer_step = work
+            desc = manager.dispatch(3, 3, 1, 0, max_query_len=1)
+            got.append((desc.cg_mode.name, desc.num_tokens))
+        assert got == [("FULL", 4), (with_work, 4 if with_work != "NONE" else 3)], (
+            f"vLLM changed {V2}.cudagraph_utils.CudaGraphManager.dispatch: under {mode} a 3-request decode "
+            f"batch got {got} without and with eviction work")
+
+
+def check_v2_full_graph_replay_and_sampler_lengths() -> None:
+    """V2 picks the step's graph before it prepares the inputs (so the plugin decides from the scheduler's
+    plan), replays a FULL graph with ``run_fullgraph(batch_desc)`` (around which engine/cuda_graphs.py puts
+    the physical lengths into the batch's buffer) and its sampler reads the batch's device ``seq_lens``
+    (why the batch stays logical after the forward)."""
+    expect_order(f"{V2_RUNNER}.execute_model", r"dispatch_cg_and_sync_dp\(\s*self\.cudagraph_manager,",
+                 r"input_batch = self\.prepare_inputs\(", r"self\.prepare_attn\(input_batch\)",
+                 r"self\.cudagraph_manager\.run_fullgraph\(batch_desc\)",
+                 what="the graph pick, input preparation and full-graph replay moved")()
+    expect_source(f"{V2}.dp_utils.dispatch_cg_and_sync_dp", r"cudagraph_manager\.dispatch\(\s*num_reqs,",
+                  "it no longer asks the graph manager with positional num_reqs, num_tokens, uniform count")()
+    expect_source(f"{V2}.sample.sampler.Sampler", r"get_num_sampled_and_rejected\([^)]*input_batch\.seq_lens",
+                  "its sampler no longer reads the batch's seq_lens")()
+    expect_params(f"{V2}.cudagraph_utils.CudaGraphManager.run_fullgraph", "self", "desc", prefix=True)()
+    fields = {f.name for f in dataclasses.fields(resolve(f"{V2}.cudagraph_utils.BatchExecutionDescriptor"))}
+    wanted = {"cg_mode", "num_tokens", "num_reqs", "uniform_token_count", "max_query_len"}
+    assert wanted <= fields, f"vLLM changed {V2}.cudagraph_utils.BatchExecutionDescriptor: {sorted(wanted - fields)} gone"
+
+
 def _cases() -> list[Any]:
     cases: list[Any] = []
 
@@ -1064,6 +1164,20 @@ def _cases() -> list[Any]:
     add("CUDAGraphMode.has_full_cudagraphs,has_piecewise_cudagraphs", check_cuda_graph_mode_methods)
     add("CompilationConfig.set_splitting_ops_for_v1:attention_op", check_attention_is_a_splitting_op)
     add("CompilationConfig.set_splitting_ops_for_v1:fuse_attn_quant_forces_FULL", check_attn_quant_fusion_forces_full_graphs)
+    add("CUDAGraphMode.mixed_mode", check_cuda_graph_mixed_modes)
+    add("CudagraphDispatcher.dispatch:invalid_modes", check_v1_dispatch_keeps_full_graphs_off_eviction_steps)
+    add("GPUModelRunner.cudagraph_dispatcher", expect_source(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._determine_batch_execution_and_padding",
+        r"self\.cudagraph_dispatcher\.dispatch\(", "it no longer picks the step's graph with the runner's dispatcher"))
+    add("GPUModelRunner._determine_batch_execution_and_padding", expect_order(
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model", r"self\._update_states\(scheduler_output\)",
+        r"self\._prepare_inputs\(", r"self\._determine_batch_execution_and_padding\(",
+        what="the step's graph is no longer picked after _prepare_inputs (where the plugin builds the step)"))
+    add("V2.CudaGraphManager.dispatch", check_v2_dispatch_keeps_full_graphs_off_eviction_steps)
+    add("V2.CudaGraphManager.run_fullgraph", check_v2_full_graph_replay_and_sampler_lengths)
+    add("V2.GPUModelRunner.cudagraph_manager", expect_source(
+        f"{V2_RUNNER}.initialize_kv_cache", r"self\.cudagraph_manager = \w*CudaGraphManager\(",
+        "the graph manager is no longer built in initialize_kv_cache (the plugin guards it after)"))
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size", "enable_dbo", "ubatch_size"):
         add(f"ParallelConfig.{name}", expect_field("vllm.config.parallel.ParallelConfig", name))
     add("CacheConfig.cache_dtype", expect_field("vllm.config.cache.CacheConfig", "cache_dtype"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.schedule import changes_cached_tokens, eviction_target, phase_of, window_end
+from vllm_evict.schedule import changes_cached_tokens, eviction_target, phase_of, window_end, works_in_layers
 
 PAGE = 16
 SPECS = ["snapkv", "tova", "keydiff", "nacl", "streamingllm", "knorm", "random", "caote+snapkv",
@@ -61,3 +61,29 @@ def test_never_late(spec: str) -> None:
     assert steps >= 36  # every case ran (H2O and AhaKV write from their first step)
     # Early only by the width of a window (its bound, not the step's exact one): most steps are not.
     assert said_early <= steps // 4, (said_early, steps)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_layer_work_is_never_missed_over_a_whole_request(spec: str) -> None:
+    """``schedule.works_in_layers`` (a step without it may replay a full CUDA graph, engine/cuda_graphs.py):
+    through a request's whole life, evictions included, it says yes at every step the workers' rules act on
+    the row or compute a per-token state, and it is exact there for the methods without such a state."""
+    steps = early = 0
+    for budget, prompt_len, chunk, schedule in itertools.product((64, 200), (40, 130, 500), (16, 48, 512),
+                                                                 ("chunked", "oneshot")):
+        config = EvictionConfig.from_spec(spec, budget, schedule=schedule)
+        policy = config.build_policy()
+        tokens, phys = 0, 0
+        while tokens < prompt_len + 150:
+            num_new = min(chunk, prompt_len - tokens) if tokens < prompt_len else 1
+            kwargs = dict(tokens_before=tokens, num_new=num_new, prompt_len=prompt_len, phys_before=phys)
+            work = bool(policy.computed_state) or workers_write(policy, config, **kwargs)
+            said = works_in_layers(policy, config, page_size=PAGE, **kwargs)
+            assert said or not work, (spec, budget, prompt_len, chunk, schedule, tokens, phys)
+            steps += 1
+            early += said and not work
+            keep = eviction_target(phys_after=phys + num_new, phase=phase_of(tokens, num_new, prompt_len),
+                                   budget=budget, schedule=schedule, slack=config.slack_for(PAGE))
+            tokens, phys = tokens + num_new, keep if keep is not None else phys + num_new
+    assert steps >= 5000
+    assert early <= steps // 10, (early, steps)

@@ -2,7 +2,8 @@
 
 ``configure_engine_args`` runs on the user's ``EngineArgs`` before vLLM builds its config: it refuses
 options eviction cannot work with (each message names the flag to change) and sets what it needs
-(its scheduler and worker, attention outside CUDA graphs). Prefix caching stays as vLLM resolves it:
+(its scheduler and worker). CUDA graphs stay as vLLM resolves them, full graphs included, except a mode
+that replays every batch as a full graph (engine/cuda_graphs.py). Prefix caching stays as vLLM resolves it:
 engine/prefix_sharing.py keeps every page a prefix match can return unwritten. Async scheduling stays as
 vLLM resolves it: the eviction scheduler has an async variant (engine/scheduler.py).
 The model runner is the one vLLM chooses (Model Runner V2 where vLLM defaults to it, the V1 runner
@@ -28,9 +29,10 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # The attention op whose Python implementation calls impl.forward, where the eviction hook sits.
 ATTENTION_OP = "vllm::unified_attention_with_output"
 
-PIECEWISE_HINT = ("eviction runs in Python after each attention layer, and full CUDA graphs replay "
-                  "attention without it; leave cudagraph_mode unset (eviction uses PIECEWISE), set "
-                  "-cc.cudagraph_mode=PIECEWISE, or use --enforce-eager")
+FULL_GRAPH_HINT = ("eviction runs in Python after each attention layer, and cudagraph_mode FULL replays every "
+                   "batch, mixed ones too, as one full CUDA graph without it; leave cudagraph_mode unset (vLLM's "
+                   "FULL_AND_PIECEWISE: full graphs on steps without eviction work), set -cc.cudagraph_mode="
+                   "FULL_AND_PIECEWISE, FULL_DECODE_ONLY or PIECEWISE, or use --enforce-eager")
 
 
 def configure_engine_args(engine_args: Any, *, on_cpu: bool | None = None) -> None:
@@ -110,47 +112,54 @@ def check_micro_batching(enable_dbo: bool, ubatch_size: int) -> None:
 
 # ---- CUDA graphs (GPU) --------------------------------------------------------------------------------
 def configure_cuda_graphs(engine_args: Any) -> None:
-    """Attention must run eagerly between captured graph pieces (PIECEWISE), never inside a full graph.
+    """Full CUDA graphs only where a mode leaves batches to PIECEWISE or eager too (engine/cuda_graphs.py
+    keeps the steps with eviction work out of full graphs); attention between the graph pieces.
 
-    An explicit full mode, attention+quant fusion (it drops attention from the splitting ops and
-    switches to FULL) or splitting ops without attention are refused; an unset mode becomes PIECEWISE
-    and an unset fusion flag is turned off.
+    The mode stays as the user or vLLM sets it (unset: vLLM's FULL_AND_PIECEWISE), except FULL, whose
+    mixed batches have no other graph; attention+quant fusion (it drops attention from the splitting ops
+    and switches to FULL) and splitting ops without attention are refused, an unset fusion flag is
+    turned off.
     """
-    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.config.compilation import CompilationConfig
 
     compilation = engine_args.compilation_config
     if compilation is None or isinstance(compilation, dict):
         compilation = CompilationConfig(**(compilation or {}))
         engine_args.compilation_config = compilation
-    mode = compilation.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise ValueError(f"KV eviction does not support full CUDA graphs (cudagraph_mode={mode.name}): "
-                         + PIECEWISE_HINT)
+    check_full_graph_mode(compilation.cudagraph_mode, resolved=False)
     if compilation.pass_config.fuse_attn_quant:
         raise ValueError("KV eviction does not support attention+quant fusion (pass_config.fuse_attn_quant="
-                         "True): vLLM then captures attention inside full CUDA graphs, which replay it without "
-                         "eviction; drop fuse_attn_quant from -cc.pass_config")
+                         "True): vLLM then captures attention inside full CUDA graphs on every step, which "
+                         "replay it without eviction; drop fuse_attn_quant from -cc.pass_config")
     compilation.pass_config.fuse_attn_quant = False  # unset: an optimization level may turn it on
-    if mode is None:
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
     check_splitting_ops(compilation)
+
+
+def check_full_graph_mode(mode: Any, *, resolved: bool) -> None:
+    """Refuse a CUDA graph mode whose mixed batches run full graphs (FULL): a step with eviction work
+    must have a graph without attention inside, or none."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    if mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
+        where = "vLLM resolved " if resolved else ""
+        raise ValueError(f"KV eviction does not support full CUDA graphs for every batch, but {where}"
+                         f"cudagraph_mode={mode.name}" + (" (an option or the model forces it)" if resolved else "")
+                         + ": " + FULL_GRAPH_HINT)
 
 
 def check_splitting_ops(compilation: Any) -> None:
     """With piecewise graphs, attention must be one of the ops the graph is split at."""
     mode, ops = compilation.cudagraph_mode, compilation.splitting_ops
-    if mode is not None and mode.has_piecewise_cudagraphs() and ops and ATTENTION_OP not in ops:
+    # Unset: vLLM's default, FULL_AND_PIECEWISE, has piecewise graphs.
+    if (mode is None or mode.has_piecewise_cudagraphs()) and ops and ATTENTION_OP not in ops:
         raise ValueError(f"KV eviction needs attention outside the captured CUDA graphs, but splitting_ops "
                          f"{list(ops)} leave {ATTENTION_OP} inside them; add it to -cc.splitting_ops, or "
                          "use --enforce-eager")
 
 
 def check_cuda_graphs(compilation: Any) -> None:
-    """The resolved compilation config: no full graphs, attention between the pieces."""
-    mode = compilation.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise ValueError(f"KV eviction does not support full CUDA graphs, but vLLM resolved cudagraph_mode="
-                         f"{mode.name} (an option or the model forces it): " + PIECEWISE_HINT)
+    """The resolved compilation config: no full graphs for mixed batches, attention between the pieces."""
+    check_full_graph_mode(compilation.cudagraph_mode, resolved=True)
     check_splitting_ops(compilation)
 
 

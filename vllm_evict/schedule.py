@@ -207,3 +207,17 @@ def changes_cached_tokens(policy: "Policy", config: "EvictionConfig", *, tokens_
     if prompt_len <= config.budget and policy.window_in_decode:
         ends.append(decode_end)
     return any(phys_after > end - width for end in ends)
+
+
+# ---- full CUDA graphs: the steps whose attention layers run eviction's per-layer work ---------------
+def works_in_layers(policy: "Policy", config: "EvictionConfig", *, tokens_before: int, num_new: int,
+                    prompt_len: int, phys_before: int, page_size: int) -> bool:
+    """Whether the workers' per-layer hook may have work for this request in this step: compute a
+    per-token state for the new tokens (``Policy.computed_state``), record window queries, add a
+    window's mass, evict, or keep the elastic ring (``changes_cached_tokens``). A step where this is
+    false for every request (and no shared page is copied) runs vLLM's full CUDA graphs, which replay
+    attention without the hook, so it may say yes early, never late: the workers check each step
+    (engine/runner.py ``_build_step``)."""
+    return bool(policy.computed_state) or changes_cached_tokens(
+        policy, config, tokens_before=tokens_before, num_new=num_new, prompt_len=prompt_len,
+        phys_before=phys_before, page_size=page_size)

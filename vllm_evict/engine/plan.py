@@ -34,3 +34,6 @@ class EvictionPlan:
     # table takes at the start of the next step (this step's forward reads and writes the originals).
     copies: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     pages: dict[str, list[int]] = field(default_factory=dict)
+    # Whether any attention layer has eviction work in this step (``schedule.works_in_layers`` for some
+    # request, or copies): a step without runs vLLM's full CUDA graphs (engine/cuda_graphs.py).
+    layer_work: bool = True

@@ -81,6 +81,11 @@ class EvictRunnerMixin:
         """Make vLLM's row additions, removals and moves reach ``rows`` (engine/rows.py)."""
         raise NotImplementedError
 
+    def _guard_cuda_graphs(self) -> bool:
+        """Keep full CUDA graphs off the steps with layer work (engine/cuda_graphs.py); False: the runner
+        picks no graphs."""
+        raise NotImplementedError
+
     # ---- set-up ------------------------------------------------------------------------------
     def evict_init(self) -> None:
         self.evict_view = self._make_view()
@@ -92,6 +97,9 @@ class EvictRunnerMixin:
         self.evict_layers: list[LayerCache] = []
         self.evict_layer_names: list[str] = []
         self.evict_step: BuiltStep | None = None
+        # The scheduler's word that some layer has eviction work in the running step: no full CUDA graph
+        # (engine/cuda_graphs.py). Set at the start of a scheduled step, cleared at its end.
+        self.evict_layer_step = False
         self.evict_compactions: list = []
         self.evict_relocations: dict[str, list[int]] = {}  # request id -> its page list from the next step
         self.evict_layout = ""
@@ -168,6 +176,8 @@ class EvictRunnerMixin:
             original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
             impl.forward = self._make_hook(index, original)
         self._use_slot_rows()
+        if self._guard_cuda_graphs():
+            logger.info("vllm_evict: full CUDA graphs run on steps without eviction work in any layer")
         if self.evict_server is not None:
             server = _server_config(self.evict_server)
             self._on_new_policy(server, self.evict_policies.policies[self.evict_policies.index_of(server)])
@@ -292,6 +302,7 @@ class EvictRunnerMixin:
             self.evict_builder.staging.begin_step()
         self._apply_compactions(scheduler_output)
         plan: EvictionPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
+        self.evict_layer_step = plan is not None and plan.layer_work
         if plan is None or self.evict_rows is None:
             return plan
         if plan.compress or plan.window_returned:  # a pre-forward pass, before the forward writes anything
@@ -334,6 +345,11 @@ class EvictRunnerMixin:
             self.evict_step = None
             return
         step = self.evict_builder.build(self.evict_view, plan, num_scheduled_tokens)
+        if step is not None and step.layer_work and not plan.layer_work:
+            # A full CUDA graph may be replaying this step: its layers would skip the work.
+            raise RuntimeError("vllm_evict: this step has per-layer eviction work (window queries, states, "
+                               "evictions or copies) that the scheduler's plan did not foresee "
+                               f"(evicting: {sorted(plan.keep)}, copies: {sorted(plan.copies)})")
         self.evict_compactions = step.compactions if step is not None else []
         self.evict_relocations = step.relocations if step is not None else {}
         self.evict_step = step

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vllm_evict.engine.cuda_graphs import guard_v1_dispatcher
 from vllm_evict.engine.plan import PLAN_ATTR
 from vllm_evict.engine.rows import RowTable, install_row_hooks
 from vllm_evict.engine.runner import EvictRunnerMixin
@@ -137,6 +138,9 @@ class EvictV1RunnerMixin(EvictRunnerMixin):
     def _track_rows(self, rows: RowTable) -> None:
         install_row_hooks(self.input_batch, rows)  # type: ignore[attr-defined]
 
+    def _guard_cuda_graphs(self) -> bool:
+        return guard_v1_dispatcher(self)
+
     def _update_states(self, scheduler_output: Any) -> Any:
         rows = self.evict_rows
         if rows is None:
@@ -160,3 +164,4 @@ class EvictV1RunnerMixin(EvictRunnerMixin):
         finally:
             # A forward outside a scheduled step (data-parallel dummy runs, profiling) must never evict.
             self.evict_step = None
+            self.evict_layer_step = False

@@ -24,13 +24,15 @@ step's plan.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from vllm_evict.engine.cuda_graphs import guard_v2_manager
 from vllm_evict.engine.rows import RowTable
 from vllm_evict.engine.runner import HOOK_ATTR, EvictRunnerMixin
 from vllm_evict.engine.runner_view import ToDevice
@@ -44,6 +46,7 @@ class V2View:
         self.physical: Any = None  # a copy of it with physical seq_lens, for the attention metadata
         self._batch_rows: dict[str, int] | None = None
         self._seq_lens = torch.zeros(self.max_rows, dtype=torch.int32, device=runner.device)
+        self._logical = torch.zeros(self.max_rows, dtype=torch.int32, device=runner.device)
 
     def begin_step(self, batch: Any) -> None:
         self.batch, self.physical, self._batch_rows = batch, None, None
@@ -118,6 +121,23 @@ class V2View:
         self.physical = copy.copy(batch)
         self.physical.seq_lens, self.physical.seq_lens_cpu_upper_bound = seq_lens, upper
 
+    @contextlib.contextmanager
+    def physical_lengths(self) -> Iterator[None]:
+        """The physical lengths in the batch's own ``seq_lens`` buffer (vLLM's, which a full CUDA graph
+        was captured reading) while the block runs, the logical ones back after it (the sampler reads
+        them); stream-ordered copies, nothing when no row has evicted."""
+        batch, physical = self.batch, self.physical
+        if batch is None or physical is None:
+            yield
+            return
+        logical = self._logical[: batch.seq_lens.shape[0]]
+        logical.copy_(batch.seq_lens)
+        batch.seq_lens.copy_(physical.seq_lens)
+        try:
+            yield
+        finally:
+            batch.seq_lens.copy_(logical)
+
     # ---- requests between steps ------------------------------------------------------------------
     def held_rows(self) -> dict[str, int]:
         return dict(self.runner.req_states.req_id_to_index)
@@ -180,6 +200,9 @@ class EvictV2RunnerMixin(EvictRunnerMixin):
     def _make_view(self) -> V2View:
         return V2View(self)
 
+    def _guard_cuda_graphs(self) -> bool:
+        return guard_v2_manager(self)
+
     def _track_rows(self, rows: RowTable) -> None:
         # Rows enter and leave through add_requests / _remove_request below; they never move. What is
         # left to hook is where the attention metadata is built.
@@ -205,6 +228,7 @@ class EvictV2RunnerMixin(EvictRunnerMixin):
         finally:
             # A forward outside a scheduled step (data-parallel dummy runs, profiling) must never evict.
             self.evict_plan = self.evict_step = None
+            self.evict_layer_step = False
             self.evict_view.end_step()
             if rows is not None:
                 rows.forgotten.clear()

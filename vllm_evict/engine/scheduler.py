@@ -53,8 +53,8 @@ from vllm_evict.engine.prefix_sharing import PrefixSharing
 from vllm_evict.engine.window_lender import WindowPageLender
 from vllm_evict.engine.stats import EvictionAccounting, EvictSchedulerStats, with_report, worker_report_of
 from vllm_evict.request_settings import RequestRefused, carry, has_settings, resolve, server_settings
-from vllm_evict.policies.base import Phase
-from vllm_evict.schedule import eviction_target, phase_of, request_bound
+from vllm_evict.policies.base import Phase, Policy
+from vllm_evict.schedule import eviction_target, phase_of, request_bound, works_in_layers
 from vllm_evict.stats import REFUSED_KEY
 
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
@@ -75,6 +75,7 @@ class EvictScheduler(Scheduler):
         self.eviction_configs: dict[str, EvictionConfig | None] = {}
         self.refused: dict[str, tuple[int, str]] = {}  # request id -> (client index, why), until reported
         self.pending_keep: dict[str, int] = {}  # request id -> tokens kept by last step's eviction
+        self.policy_of: dict[str, Policy] = {}  # request id -> its policy (per-layer work of a step)
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1:
             raise ValueError("KV eviction supports models with one KV-cache group (full attention in every "
@@ -158,7 +159,7 @@ class EvictScheduler(Scheduler):
         self.window_pages.begin_step()
         output = super().schedule(*args, **kwargs)
         self._forget_gone_requests()
-        plan = EvictionPlan()
+        plan = EvictionPlan(layer_work=False)
         self.elastic.finish_step(output, plan)
         for request_id, num_new in output.num_scheduled_tokens.items():
             config = self.config_of(request_id)
@@ -168,6 +169,8 @@ class EvictScheduler(Scheduler):
             tokens_before = request.num_computed_tokens - num_new  # vLLM has already advanced it
             phys_after = tokens_before - self.evicted.get(request_id, 0) + num_new
             self.accounting.scheduled(request_id, phys_after)
+            if not plan.layer_work:  # once one request has per-layer work, the step leaves full graphs
+                plan.layer_work = self._works_in_layers(request, config, tokens_before, num_new, phys_after)
             if config.elastic:  # elastic requests evict only when the pool is short
                 continue
             phase = phase_of(tokens_before, num_new, request.num_prompt_tokens)
@@ -183,9 +186,19 @@ class EvictScheduler(Scheduler):
         self.window_pages.finish_step(plan)
         if self.sharing.now:
             self.sharing.finish_step(output.num_scheduled_tokens, plan)
+        plan.layer_work = plan.layer_work or bool(plan.copies)
         self.accounting.end_step()
         setattr(output, PLAN_ATTR, plan)
         return output
+
+    def _works_in_layers(self, request: Request, config: EvictionConfig, tokens_before: int, num_new: int,
+                         phys_after: int) -> bool:
+        policy = self.policy_of.get(request.request_id)
+        if policy is None:
+            policy = self.policy_of[request.request_id] = self.window_pages.policy_for(config)
+        return works_in_layers(policy, config, tokens_before=tokens_before, num_new=num_new,
+                               prompt_len=request.num_prompt_tokens, phys_before=phys_after - num_new,
+                               page_size=self.page_size)
 
     def _free_evicted_pages(self) -> None:
         """Give back the trailing pages of requests the workers compacted during the last step."""
@@ -229,6 +242,7 @@ class EvictScheduler(Scheduler):
             self.eviction_configs.pop(request_id, None)
             self.evicted.pop(request_id, None)
             self.pending_keep.pop(request_id, None)
+            self.policy_of.pop(request_id, None)
             self.sharing.forget(request_id)
 
     def num_cached_tokens(self, request_id: str) -> int:
