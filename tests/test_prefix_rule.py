@@ -5,6 +5,7 @@ at every step of a request where the workers' own rules (``eviction_target``, ``
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,13 +39,20 @@ def workers_write(policy, config, *, tokens_before: int, num_new: int, prompt_le
     return bool(end.now[0] or end.recorded(one * phys_after, one * num_new, width)[0] > 0)
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_never_late(spec: str) -> None:
-    steps = said_early = 0
+def cases(spec: str) -> list[tuple[EvictionConfig, Any, int, int]]:
+    """(config, its policy, prompt length, prefill chunk) over budgets, prompts, chunks and schedules."""
+    out = []
     for budget, prompt_len, chunk, schedule in itertools.product((64, 200), (40, 130, 500), (16, 48, 512),
                                                                  ("chunked", "oneshot")):
         config = EvictionConfig.from_spec(spec, budget, schedule=schedule)
-        policy = config.build_policy()
+        out.append((config, config.build_policy(), prompt_len, chunk))
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_never_late(spec: str) -> None:
+    steps = said_early = 0
+    for config, policy, prompt_len, chunk in cases(spec):
         tokens, phys = 0, 0
         while tokens < prompt_len + 300:  # the prompt in chunks, then decode, until the first write
             num_new = min(chunk, prompt_len - tokens) if tokens < prompt_len else 1
@@ -52,7 +60,7 @@ def test_never_late(spec: str) -> None:
                                   phys_before=phys)
             said = changes_cached_tokens(policy, config, tokens_before=tokens, num_new=num_new,
                                          prompt_len=prompt_len, phys_before=phys, page_size=PAGE)
-            assert said or not exact, (spec, budget, prompt_len, chunk, schedule, tokens)
+            assert said or not exact, (config, prompt_len, chunk, tokens)
             steps += 1
             said_early += said and not exact
             if exact:
@@ -69,21 +77,18 @@ def test_layer_work_is_never_missed_over_a_whole_request(spec: str) -> None:
     through a request's whole life, evictions included, it says yes at every step the workers' rules act on
     the row or compute a per-token state, and it is exact there for the methods without such a state."""
     steps = early = 0
-    for budget, prompt_len, chunk, schedule in itertools.product((64, 200), (40, 130, 500), (16, 48, 512),
-                                                                 ("chunked", "oneshot")):
-        config = EvictionConfig.from_spec(spec, budget, schedule=schedule)
-        policy = config.build_policy()
+    for config, policy, prompt_len, chunk in cases(spec):
         tokens, phys = 0, 0
         while tokens < prompt_len + 150:
             num_new = min(chunk, prompt_len - tokens) if tokens < prompt_len else 1
             kwargs = dict(tokens_before=tokens, num_new=num_new, prompt_len=prompt_len, phys_before=phys)
             work = bool(policy.computed_state) or workers_write(policy, config, **kwargs)
             said = works_in_layers(policy, config, page_size=PAGE, **kwargs)
-            assert said or not work, (spec, budget, prompt_len, chunk, schedule, tokens, phys)
+            assert said or not work, (config, prompt_len, chunk, tokens, phys)
             steps += 1
             early += said and not work
             keep = eviction_target(phys_after=phys + num_new, phase=phase_of(tokens, num_new, prompt_len),
-                                   budget=budget, schedule=schedule, slack=config.slack_for(PAGE))
+                                   budget=config.budget, schedule=config.schedule, slack=config.slack_for(PAGE))
             tokens, phys = tokens + num_new, keep if keep is not None else phys + num_new
     assert steps >= 5000
     assert early <= steps // 10, (early, steps)
