@@ -74,8 +74,8 @@ models: install
 # again on Model Runner V2 (tests/conftest.py, VLLM_EVICT_TEST_RUNNER; docs/engine.md#the-two-model-runners)
 # the tests of what V2 changes for eviction: how a step's lengths, positions, slots and pages reach the
 # eviction step (kept tokens against the reference, requests mixed in one batch), its padding slots,
-# the window pages, preemption and aborts, host syncs, the stats V2 reports, and the copies prefix caching
-# puts in a request's block table. On CPU every V2 step
+# the window pages, preemption and aborts, host syncs, the stats V2 reports, the copies prefix caching
+# puts in a request's block table, and what V2's CUDA graph pick is asked on steps with eviction work. On CPU every V2 step
 # runs V2's own Triton kernels in Triton's interpreter, which made the whole engine suite on V2 a 20-minute
 # pass; the policies' eviction step (evict_step) is the same code on both runners, so the rest of
 # tests/engine runs once, on V1.
