@@ -74,17 +74,20 @@ models: install
 # again on Model Runner V2 (tests/conftest.py, VLLM_EVICT_TEST_RUNNER; docs/engine.md#the-two-model-runners)
 # the tests of what V2 changes for eviction: how a step's lengths, positions, slots and pages reach the
 # eviction step (kept tokens against the reference, requests mixed in one batch), its padding slots,
-# the window pages, preemption and aborts, host syncs, the stats V2 reports, the copies prefix caching
+# the window pages, preemption (of a request with window pages) and aborts, host syncs, the stats V2
+# reports (its counters and per-request stats; the gauges and rejections are the server's, tested on V1), the copies prefix caching
 # puts in a request's block table, and what V2's CUDA graph pick is asked on steps with eviction work. On CPU every V2 step
 # runs V2's own Triton kernels in Triton's interpreter, which made the whole engine suite on V2 a 20-minute
 # pass; the policies' eviction step (evict_step) is the same code on both runners, so the rest of
 # tests/engine runs once, on V1.
 V2_TESTS := tests/engine/test_reference_agreement.py tests/engine/test_mixed_batch.py \
             tests/engine/test_padding_writes.py tests/engine/test_window_pages.py \
-            tests/engine/test_lifecycle.py::test_preemption_recompute_with_eviction \
+            "tests/engine/test_lifecycle.py::test_preemption_recompute_with_eviction[snapkv-windows]" \
             tests/engine/test_lifecycle.py::test_abort_returns_every_page \
             "tests/engine/test_step_syncs.py::test_no_step_of_any_policy_synchronises[True]" \
-            tests/engine/test_runner_choice.py tests/server/test_metrics.py tests/server/test_request_stats.py \
+            tests/engine/test_runner_choice.py tests/server/test_request_stats.py \
+            tests/server/test_metrics.py::test_every_eviction_metric_is_exposed_in_vllms_conventions \
+            tests/server/test_metrics.py::test_a_request_adds_exactly_what_it_evicted \
             tests/engine/test_prefix_caching.py::test_no_hashed_page_is_written \
             "tests/engine/test_full_graphs.py::test_full_graphs_are_kept_out_exactly_on_steps_with_layer_work[snapkv]"
 

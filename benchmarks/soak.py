@@ -164,7 +164,7 @@ def bad_requests(server: dict[str, Any], profile: Profile) -> list[tuple[dict[st
 def fits(config: EvictionConfig | None, prompt_len: int, max_tokens: int, profile: Profile) -> bool:
     tokens = physical_bound(prompt_len=prompt_len, max_new_tokens=max_tokens,
                             budget=config.budget if config else None, schedule=config.schedule if config else None,
-                            slack=(config.slack or PAGE) if config else 0, chunk=profile.chunk)
+                            slack=config.slack_for(PAGE) if config else 0, chunk=profile.chunk)
     return -(-tokens // PAGE) <= profile.pool_pages - 1 and prompt_len + max_tokens <= profile.max_model_len
 
 

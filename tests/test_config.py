@@ -39,6 +39,35 @@ def test_schedule_defaults_follow_the_method():
     assert from_spec("snapkv", schedule="chunked").schedule == "chunked"
 
 
+@pytest.mark.parametrize("spec,budget,options,page,slack", [
+    # Methods that read a window of queries at decode evictions: 4 windows, at most half the budget, in pages.
+    ("snapkv", 2048, {}, 16, 128),
+    ("snapkv", 256, {}, 32, 128),
+    ("snapkv", 256, {"window": 8}, 16, 32),
+    ("snapkv", 256, {"window": 10}, 16, 48),  # 40 tokens, rounded up to whole pages
+    ("snapkv", 64, {}, 16, 32),  # half the budget
+    ("snapkv", 40, {"window": 8}, 16, 32),  # 20 tokens, in pages
+    ("snapkv", 24, {"window": 8}, 32, 32),  # never less than one page
+    ("caote+snapkv", 1024, {}, 16, 128),
+    ("criticalkv+snapkv", 1024, {}, 16, 128),
+    ("nacl", 1024, {"proxy": 64}, 16, 256),
+    # Methods without a decode window (or a one-query one): one page.
+    ("keydiff", 2048, {}, 16, 16),
+    ("knorm", 2048, {}, 32, 32),
+    ("streamingllm", 2048, {}, 16, 16),
+    ("random", 2048, {}, 16, 16),
+    ("h2o", 2048, {}, 16, 16),
+    ("caote+h2o", 2048, {}, 16, 16),
+    ("tova", 2048, {}, 16, 16),
+    ("ahakv", 2048, {}, 16, 16),
+])
+def test_default_slack(spec, budget, options, page, slack):
+    config = from_spec(spec, budget, **options)
+    assert config.slack is None and config.slack_for(page) == slack
+    assert from_spec(spec, budget, slack=5, **options).slack_for(page) == 5  # a slack that is set wins
+    assert "slack" not in config.to_dict()  # the default is derived, not stored
+
+
 def test_round_trip():
     cfg = from_spec("caote+snapkv", 300, window=16, caote_mode="head", slack=32, seed=5)
     again = EvictionConfig.from_mapping(json.loads(str(cfg)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 from vllm_evict.policies import BASE_POLICIES, META_POLICIES, load_class
@@ -33,6 +34,11 @@ REMOVED_OPTIONS = {
 WINDOW_OPTIONS = ("window", "proxy", "recent")
 MAX_WINDOW = 4096  # the largest max_window a server may reserve (NaCl's automatic rule needs <= 1024)
 DEFAULT_MIN_WINDOW = 32  # max_window is at least this by default: SnapKV's usual window fits any server
+# Default decode slack of a method that reads a query window at its decode evictions: this many windows,
+# so that at most 1/4 of its decode steps carry window work (the others run full CUDA graphs and evict
+# nothing), and at most half the budget, so a request holds at most 1.5x its budget (docs/engine.md#decode-slack).
+SLACK_WINDOWS = 4
+SLACK_MAX_BUDGET_SHARE = 2  # slack <= budget // this
 MAX_SPEC_CHARS = 64  # a policy spec longer than this cannot name a method
 # fixed: the budget is a ceiling, kept by the schedule; elastic: the budget is a floor, and requests are
 # compressed toward it only when the KV pool runs short (instead of preempting).
@@ -74,7 +80,7 @@ class EvictionConfig:
     policy: str  # normalised spec, e.g. "caote+snapkv"
     budget: int  # tokens kept per (layer, KV head)
     schedule: str  # "chunked" (block-wise while prefilling) or "oneshot" (after the prompt)
-    slack: int | None = None  # decode growth allowed before evicting back to budget (None: one page)
+    slack: int | None = None  # decode growth allowed before evicting back to budget (None: ``slack_for``)
     seed: int = 0
     options: Mapping[str, Any] = field(default_factory=dict)
     mode: str = "fixed"  # "fixed" or "elastic" (see MODES)
@@ -127,8 +133,22 @@ class EvictionConfig:
         return self.mode == "elastic"
 
     def slack_for(self, page_size: int) -> int:
-        """Decode slack in tokens: the configured one, or one KV page (the default, decided here only)."""
-        return self.slack if self.slack is not None else page_size
+        """Decode slack in tokens: the configured one, or the default, decided here only: one KV page, and
+        for a method that reads a window of queries at its decode evictions ``SLACK_WINDOWS`` windows, at
+        most half the budget, in whole pages (never less than one)."""
+        if self.slack is not None:
+            return self.slack
+        tokens = min(SLACK_WINDOWS * self._decode_window, self.budget // SLACK_MAX_BUDGET_SHARE)
+        return max(1, -(-tokens // page_size)) * page_size
+
+    @cached_property
+    def _decode_window(self) -> int:
+        """The widest query window a decode eviction of this config reads (0: none)."""
+        policy = self.build_policy()
+        if not (policy.accumulates_window and policy.window_in_decode):
+            return 0
+        window = policy.window_for(self.budget)
+        return window if window > 1 else 0
 
     def build_policy(self, window_cap: int | None = None) -> Policy:
         """The policy instance; ``window_cap``: the engine's max_window, which bounds a window the policy

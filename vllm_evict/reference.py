@@ -294,12 +294,12 @@ def _eos_ids(model: Any) -> set[int]:
 
 @torch.inference_mode()
 def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: EvictionConfig | None,
-                  max_new_tokens: int, chunk_size: int | Sequence[int] = 128, slack: int = 1, *, tokenizer: Any = None,
+                  max_new_tokens: int, chunk_size: int | Sequence[int] = 128, page_size: int = 1, *, tokenizer: Any = None,
                   ignore_eos: bool = False, compressions: Mapping[int, Sequence[int]] | None = None) -> ReferenceResult:
     """Greedy generation with the engine's eviction mechanics (see the module docstring).
 
-    ``slack`` is the decode slack used when ``config.slack`` is None (the engine's page size plays that
-    role there). ``config=None`` runs plain generation through the same attention path.
+    ``page_size`` is the engine's page size, from which ``config.slack_for`` derives the decode slack (the
+    engine's rule; an explicit ``slack`` in the config wins). ``config=None`` runs plain generation through the same attention path.
     With ``ignore_eos=False`` generation stops after an EOS token (which is returned).
     ``compressions`` replays elastic mode: {step index: [tokens kept, ...]} compresses the cache before
     that forward step, once per entry, in order (the engine's ``EvictionPlan.compress``).
@@ -317,7 +317,7 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
     policy = config.build_policy() if config is not None else None
-    effective_slack = config.slack if config is not None and config.slack is not None else slack
+    effective_slack = config.slack_for(page_size) if config is not None else page_size
     run = _Run(model, policy, config, len(prompt), len(prompt) + max_new_tokens, effective_slack)
     device = run.device
     eos = set() if ignore_eos else _eos_ids(model)

@@ -154,7 +154,7 @@ def test_compressions_keep_what_the_reference_keeps(tiny_llama, engine_factory):
     for name, (prompt, extra) in REQUESTS.items():
         config = resolve_request_config(ELASTIC, extra)
         reference = run_reference(model, prompt["prompt_token_ids"], config, max_new_tokens=40,
-                                  chunk_size=chunks[name], slack=BLOCK, ignore_eos=True,
+                                  chunk_size=chunks[name], page_size=BLOCK, ignore_eos=True,
                                   compressions=compressions[name])
         assert outputs[name].outputs[0].token_ids == reference.token_ids, name
         engine_kept = [torch.sort(layer, dim=-1).values.cpu() for layer in kept[name]]

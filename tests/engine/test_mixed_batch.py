@@ -97,7 +97,7 @@ def run_and_compare(engine, model_path, requests, starved=frozenset()):
         config = resolve_request_config(SERVER, extra)
         ids = prompts[name]["prompt_token_ids"]
         reference = run_reference(model, ids, config, max_new_tokens=NEW_TOKENS, chunk_size=chunks_by_name[name],
-                                  slack=BLOCK, ignore_eos=True)
+                                  page_size=BLOCK, ignore_eos=True)
         assert outputs[name].outputs[0].token_ids == reference.token_ids, name
         if config is None:
             continue

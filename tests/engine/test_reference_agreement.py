@@ -78,7 +78,7 @@ def agrees_with_reference(smollm2_path, engine_factory, eviction: dict, new_toke
 
     config = EvictionConfig.from_mapping(eviction)
     reference = run_reference(smollm2_path, prompt_ids, config, max_new_tokens=new_tokens, chunk_size=CHUNK,
-                              slack=config.slack_for(BLOCK), ignore_eos=True)
+                              page_size=BLOCK, ignore_eos=True)
     if config.slack is not None:  # the decode evictions this test is about happen: 39 decode steps, one every 16
         assert sum(e.phase is Phase.DECODE and e.layer == 0 for e in reference.trace) == (new_tokens - 1) // config.slack
     assert list(output.outputs[0].token_ids) == reference.token_ids

@@ -7,16 +7,13 @@ About 1-2 min on a quiet 2-core machine (most of it the multiprocess case's star
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from typing import Any, Iterator
 
 import pytest
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
+from tests.engine.conftest import MULTIPROCESS_SERVER
 from tests.engine.helpers import BLOCK, TEST_RUNNER, Engine, greedy, make_llm, token_prompt
 from tests.eviction_oracle import expected_run
 from vllm_evict.config import EvictionConfig
@@ -30,7 +27,7 @@ pytestmark = pytest.mark.engine
 
 SERVER = {"policy": "snapkv", "budget": 64}
 CHUNK = 64  # make_llm's max_num_batched_tokens
-PROMPT, MAX_TOKENS = 200, 50  # decode grows past budget + one page once: every kind of eviction happens
+PROMPT, MAX_TOKENS = 200, 50  # decode grows past budget + slack (32) once: every kind of eviction happens
 
 
 @pytest.fixture(scope="module")
@@ -201,29 +198,9 @@ def test_rejected_override_counts_once_and_moves_nothing_else(engine: Engine) ->
 
 
 # ---- the default multiprocess engine: stats cross the process boundary ---------------------------
-MP_SCRIPT = textwrap.dedent("""
-    import json, sys
-    from tests.engine.helpers import make_llm, greedy, token_prompt
-    from vllm_evict.stats import eviction_stats
-    if __name__ == "__main__":
-        llm = make_llm(sys.argv[1], {"policy": "snapkv", "budget": 64}, disable_log_stats=False)
-        out = llm.generate([token_prompt(200, 3)], greedy(50))[0]
-        metrics = {m.name + json.dumps(m.labels, sort_keys=True): getattr(m, "value", getattr(m, "count", None))
-                   for m in llm.get_metrics() if "kv_eviction" in m.name}
-        print("RESULT" + json.dumps({"stats": eviction_stats(out).to_dict(), "metrics": metrics}))
-""")
-
-
-def test_offline_multiprocess_engine_reports_stats_and_metrics(tiny_llama: str, tmp_path: Any) -> None:
-    script = tmp_path / "mp_stats.py"
-    script.write_text(MP_SCRIPT)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, str(script), tiny_llama], capture_output=True, text=True, env=env,
-                            timeout=600)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
-    assert lines, result.stderr[-3000:]
-    got = json.loads(lines[0][len("RESULT"):])
+def test_offline_multiprocess_engine_reports_stats_and_metrics(tiny_llama: str, multiprocess_run: dict) -> None:
+    got = multiprocess_run  # its first request, before any other ran in that engine (tests/engine/conftest.py)
+    assert MULTIPROCESS_SERVER == SERVER
     expected = expected_run(EvictionConfig.from_mapping(SERVER), prompt_len=200, max_tokens=50, chunk=CHUNK,
                             page=BLOCK)
     assert RequestEvictionStats.from_dict(got["stats"]) == expected.stats

@@ -81,7 +81,7 @@ def test_pages_taken_back_mid_window_keep_the_reference_tokens_and_delay_nobody(
     config = EvictionConfig.from_mapping(SERVER)
     model, _ = load_model(tiny_llama, dtype=torch.float32)
     reference = run_reference(model, token_prompt(PROMPT_A, 5)["prompt_token_ids"], config, max_new_tokens=NEW_A,
-                              chunk_size=64, slack=8, ignore_eos=True)
+                              chunk_size=64, ignore_eos=True)
     for got in (with_loans, without):
         assert list(got["outputs"]["A"].outputs[0].token_ids) == reference.token_ids
         mismatched = [layer for layer, (kept, want) in enumerate(zip(got["kept"], reference.kept_positions))

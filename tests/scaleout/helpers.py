@@ -16,12 +16,13 @@ from typing import Any, Iterator
 import torch
 
 from tests.engine.helpers import BLOCK, Engine, chosen_logprobs, greedy, make_llm, token_prompt
+from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.debug import RankKept, kept_by_global_head, start_recording
 
 CHUNK = 128  # max_num_batched_tokens: the prefill chunk of a request that runs alone
 BUDGET = 64
 PROMPT_LEN = 256
-GEN_LEN = 40  # > budget's slack (one page): decode evicts at least once
+GEN_LEN = 40  # > every default slack at budget 64 (one page; 32 tokens for window methods): decode evicts
 
 # One request per method, each through a per-request override of the server's snapkv: the overrides and
 # their plans cross the executor's serialisation. Each method runs under its paper's default schedule.
@@ -154,17 +155,18 @@ def kept_differences(got: Outcome, want: Outcome) -> list[str]:
     return problems
 
 
-def page_bound_violations(outcome: Outcome, *, prompt_len: int, budget: int, chunked: bool) -> list[str]:
+def page_bound_violations(outcome: Outcome, *, prompt_len: int, config: EvictionConfig) -> list[str]:
     """Pages and cached tokens of one request against the bounds eviction promises."""
     problems = []
+    budget, chunked, slack = config.budget, config.schedule == "chunked", config.slack_for(BLOCK)
     prefill_pages = math.ceil((budget + CHUNK) / BLOCK)
-    decode_pages = math.ceil((budget + BLOCK) / BLOCK)  # default slack: one page
+    decode_pages = math.ceil((budget + slack) / BLOCK)
     for tokens, pages, cached in outcome.trace:
         if chunked and budget + CHUNK < tokens <= prompt_len and pages > prefill_pages:
             problems.append(f"prefill at {tokens} tokens holds {pages} pages > {prefill_pages}")
-        if tokens > prompt_len and (pages > decode_pages or not budget <= cached <= budget + BLOCK):
+        if tokens > prompt_len and (pages > decode_pages or not budget <= cached <= budget + slack):
             problems.append(f"decode at {tokens} tokens holds {pages} pages, {cached} cached "
-                            f"(bounds: {decode_pages} pages, {budget}..{budget + BLOCK} tokens)")
+                            f"(bounds: {decode_pages} pages, {budget}..{budget + slack} tokens)")
     if not any(tokens > prompt_len for tokens, _, _ in outcome.trace):
         problems.append("the request never reached decode")
     return problems

@@ -42,8 +42,8 @@ def test_tp2_pages_stay_bounded(tp_outcomes, model):
     """Every rank compacts to the scheduler's count, so one page table serves both: the bounds hold,
     and (checked in ``tp_outcomes``) the pool is full after the drain."""
     for spec, outcome in tp_outcomes(model, 2).items():
-        chunked = EvictionConfig.from_spec(spec, BUDGET).schedule == "chunked"
-        problems = page_bound_violations(outcome, prompt_len=PROMPT_LEN, budget=BUDGET, chunked=chunked)
+        config = EvictionConfig.from_spec(spec, BUDGET)
+        problems = page_bound_violations(outcome, prompt_len=PROMPT_LEN, config=config)
         assert not problems, f"{spec}: " + "; ".join(problems[:4])
         final = {len(positions) for layer in outcome.kept for copies in layer.values() for positions in copies}
         assert len(final) == 1 and BUDGET <= final.pop() <= BUDGET + 32, f"{spec}: kept counts differ across heads"

@@ -158,7 +158,7 @@ def test_gauges_show_a_running_request_and_return_to_zero(evict_server: LocalSer
     worker.join(timeout=300)
     assert seen, f"the request finished before /metrics showed it running (finished first: {finished_early})"
     assert prompt_len <= seen["logical"] < prompt_len + max_tokens  # the cached tokens, not yet the sampled one
-    assert seen["cached"] <= EVICTION["budget"] + PAGE  # the budget plus the decode slack
+    assert seen["cached"] <= EVICTION["budget"] + EvictionConfig.from_mapping(EVICTION).slack_for(PAGE)  # + decode slack
     wait_for(lambda: idle(evict_server.metrics(http)), "the gauges back at 0")
     stats = result.get("stats")
     assert stats is not None, "the final stream chunk carried no eviction stats"

@@ -169,20 +169,23 @@ class EvictScheduler(Scheduler):
             tokens_before = request.num_computed_tokens - num_new  # vLLM has already advanced it
             phys_after = tokens_before - self.evicted.get(request_id, 0) + num_new
             self.accounting.scheduled(request_id, phys_after)
-            if not plan.layer_work:  # once one request has per-layer work, the step leaves full graphs
-                plan.layer_work = self._works_in_layers(request, config, tokens_before, num_new, phys_after)
-            if config.elastic:  # elastic requests evict only when the pool is short
+            if config.elastic:  # elastic requests evict only when the pool is short; their rows work every step
+                plan.layer_work = True
                 continue
             phase = phase_of(tokens_before, num_new, request.num_prompt_tokens)
+            slack = self.slack_of(config)
             self.window_pages.scheduled(request_id, config, decode=phase is Phase.DECODE, phys_after=phys_after,
-                                        logical_after=tokens_before + num_new, slack=self.slack_of(config))
+                                        logical_after=tokens_before + num_new, slack=slack)
             keep = eviction_target(phys_after=phys_after, phase=phase, budget=config.budget,
-                                   schedule=config.schedule, slack=self.slack_of(config))
+                                   schedule=config.schedule, slack=slack)
             if keep is not None:
                 plan.keep[request_id] = keep
                 plan.cached[request_id] = phys_after
                 self.pending_keep[request_id] = keep
                 self.accounting.evicted(request_id, phys_after - keep)
+                plan.layer_work = True
+            elif not plan.layer_work:  # once one request has per-layer work, the step leaves full graphs
+                plan.layer_work = self._works_in_layers(request, config, tokens_before, num_new, phys_after)
         self.window_pages.finish_step(plan)
         if self.sharing.now:
             self.sharing.finish_step(output.num_scheduled_tokens, plan)
