@@ -299,7 +299,8 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     """Greedy generation with the engine's eviction mechanics (see the module docstring).
 
     ``page_size`` is the engine's page size, from which ``config.slack_for`` derives the decode slack (the
-    engine's rule; an explicit ``slack`` in the config wins). ``config=None`` runs plain generation through the same attention path.
+    engine's rule; an explicit ``slack`` in the config wins). ``config=None`` runs plain generation through
+    the same attention path.
     With ``ignore_eos=False`` generation stops after an EOS token (which is returned).
     ``compressions`` replays elastic mode: {step index: [tokens kept, ...]} compresses the cache before
     that forward step, once per entry, in order (the engine's ``EvictionPlan.compress``).
