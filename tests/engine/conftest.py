@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine tests need vLLM (make install)")
 
-from tests.engine.helpers import TEST_RUNNER, Engine, make_llm, runner_kind  # noqa: E402
+from tests.engine.helpers import MULTIPROCESS_SERVER, TEST_RUNNER, Engine, make_llm, runner_kind  # noqa: E402
 from vllm_evict.testing import build_tiny_llama  # noqa: E402
 
 
@@ -43,7 +43,6 @@ def engine_factory() -> Iterator[Any]:
 
 
 # ---- vLLM's default multiprocess engine (engine core in its own process), started once for the suite ----
-MULTIPROCESS_SERVER = {"policy": "snapkv", "budget": 64}
 # One engine, two runs in order: a SnapKV request with vLLM's stats on (its stats and the engine's eviction
 # metrics, read before anything else runs: tests/engine/test_stats.py), then two KeyDiff requests through a
 # per-request override (their logprobs: tests/engine/test_lifecycle.py).

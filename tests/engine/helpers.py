@@ -18,6 +18,8 @@ from vllm import LLM, SamplingParams  # noqa: E402
 # "v1": vLLM's V1 model runner; "v2": Model Runner V2 (tests/conftest.py makes vLLM choose it).
 TEST_RUNNER = os.environ.get("VLLM_EVICT_TEST_RUNNER", "v1")
 BLOCK = 32
+# The server of the suite's one multiprocess-engine run (tests/engine/conftest.py::multiprocess_run).
+MULTIPROCESS_SERVER = {"policy": "snapkv", "budget": 64}
 PAGE_BYTES_TINY = 2 * 2 * 32 * 2 * 4 * BLOCK  # layers * kv heads * head_dim * (K, V) * fp32 * tokens
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from vllm.exceptions import VLLMValidationError
 
-from tests.engine.conftest import MULTIPROCESS_SERVER
-from tests.engine.helpers import BLOCK, assert_worker_rows_clean, chosen_logprobs, greedy, token_prompt
+from tests.engine.helpers import (BLOCK, MULTIPROCESS_SERVER, assert_worker_rows_clean, chosen_logprobs, greedy,
+                                  token_prompt)
 
 pytestmark = pytest.mark.engine
 

@@ -13,8 +13,7 @@ import pytest
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from tests.engine.conftest import MULTIPROCESS_SERVER
-from tests.engine.helpers import BLOCK, TEST_RUNNER, Engine, greedy, make_llm, token_prompt
+from tests.engine.helpers import BLOCK, MULTIPROCESS_SERVER, TEST_RUNNER, Engine, greedy, make_llm, token_prompt
 from tests.eviction_oracle import expected_run
 from vllm_evict.config import EvictionConfig
 from vllm_evict.request_settings import resolve_request_config
