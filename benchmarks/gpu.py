@@ -119,7 +119,10 @@ GROUPS = {"engine": ("engine-vanilla", "engine-v2", "engine-v1"), "bench": tuple
           **{f"bench-{r}": tuple(b for b in BENCH if b.startswith(f"bench-{r}-")) for r in ("v2", "v1")},
           **{f"bench-{r}-{s}": tuple(b for b in BENCH if b.startswith(f"bench-{r}-{s}-")) for r in ("v2", "v1")
              for s in SCENARIOS}}
-DEFAULT_PHASES = "env,engine,bench-v2-8k,bench-v2-spare,kernels,kernel-times,bench-v1-8k,bench-v1-spare,contract"
+CAPACITY = ["capacity-eviction", "capacity-vanilla"]
+GROUPS["fp8"] = ("engine-fp8", "capacity-eviction", "kernels-fp8", "capacity-vanilla")
+DEFAULT_PHASES = ("env,engine,bench-v2-8k,bench-v2-spare,kernels,kernel-times,bench-v1-8k,bench-v1-spare,contract,"
+                  "fp8")
 
 
 @dataclass
@@ -169,10 +172,24 @@ def plan(args: argparse.Namespace) -> list[Phase]:
                               "and its softmax, also added into the paged state; KeyDiff, CAOTE, compaction) and "
                               "the per-layer step beside attention", 60, 240,
                               [py, str(Path(me).parent / "kernels.py"), "--out", str(out / "kernels.md")]),
+        "engine-fp8": Phase("engine-fp8", "the engine checks of engine-v2 over FA3's fp8 KV cache (#29): every method "
+                            "evicts, page bounds, zero syncs, no compile after start-up, exact against eviction off",
+                            90, 330, [py, me, "engine", "--model", small, "--runner", "v2", "--out", str(out),
+                                      "--name", "engine-fp8", "--kv-cache-dtype", "fp8"],
+                            {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+        "kernels-fp8": Phase("kernels-fp8", "the fp8 kernel tests on CUDA (Triton and the CUDA extension) against the "
+                             "PyTorch references", 40, 200,
+                             [*pytest, "tests/kernels/test_fp8.py", "-m", "gpu", "--junitxml", str(out / "kernels-fp8.xml")]),
         "contract": Phase("contract", "host contract and CLI flags with the GPU present", 30, 180,
                           [*pytest, "tests/test_host_contract.py", "tests/test_cli_flags.py",
                            "--junitxml", str(out / "contract.xml")]),
     }
+    for name in CAPACITY:
+        side = name.split("-")[1]
+        phases[name] = Phase(name, f"requests held at once at equal KV memory, {side}: fp8 then bf16, one engine "
+                             "after the other (#29)", 100, 300,
+                             [py, me, "capacity", "--model", small, "--out", str(out), "--name", name,
+                              *(["--eviction"] if side == "eviction" else [])], {"VLLM_USE_V2_MODEL_RUNNER": "1"})
     for name in BENCH:
         _, runner, scenario, side = name.split("-")
         what = bench_what[scenario].format(side=side, runner=runner, kv=args.kv_gib, n=args.requests_8k)
@@ -351,6 +368,19 @@ def markdown(results: dict[str, Any]) -> str:
         notes = sorted({n for name, p in phases.items() if name.startswith("bench")
                         for n in (p.get("data") or {}).get("notes", [])})
         lines += [f"\n{note}" for note in notes]
+    held = [r for name, p in phases.items() if name.startswith("capacity")
+            for r in (p.get("data") or {}).get("records", []) if r.get("kind") == "measure"]
+    if held:
+        lines += ["", "| fp8 capacity: variant | KV pages | max running | tok/s (all) | preemptions |", "|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['pages']} | {r['max_running']} | {r['tokens_per_s']:.0f} | {r['preemptions']} |"
+                  for r in held]
+        by = {(r["eviction"], r["kv_cache_dtype"]): r for r in held}
+        for side in (True, False):
+            fp8, bf16 = by.get((side, "fp8")), by.get((side, "auto"))
+            if fp8 and bf16:
+                lines.append(f"\n{'eviction' if side else 'vanilla'}: fp8 holds "
+                             f"{_ratio(fp8['max_running'], bf16['max_running'])} the requests of bf16 at once "
+                             f"({_ratio(fp8['pages'], bf16['pages'])} the pages)")
     return "\n".join(lines) + "\n"
 
 
@@ -417,8 +447,15 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--runner", choices=sorted(RUNNERS), default="v2")
         p.add_argument("--out", required=True, help="folder of the figures (<name>.jsonl, <name>.json)")
         p.add_argument("--name", required=True)
+    p = sub.add_parser("capacity", help="(GPU) requests held at once at equal KV memory, one engine (#29)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--runner", choices=sorted(RUNNERS), default="v2")
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--eviction", action="store_true")
     engine_parser = sub.choices["engine"]
     engine_parser.add_argument("--vanilla", action="store_true", help="the engine without the plugin (reference tokens)")
+    engine_parser.add_argument("--kv-cache-dtype", default="auto", help="fp8: the checks over an fp8 KV cache")
     engine_parser.add_argument("--reference", help="the vanilla phase's tokens (<out>/engine-vanilla.tokens.json)")
     bench_parser = sub.choices["bench"]
     bench_parser.add_argument("--scenario", choices=SCENARIOS, required=True)
@@ -454,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.vanilla:
             return gpu_engine.engine_vanilla(args.model, records, Path(args.out) / f"{args.name}.tokens.json")
         return gpu_engine.engine_checks(args.model, records, args.runner,
-                                        Path(args.reference) if args.reference else None)
+                                        Path(args.reference) if args.reference and args.kv_cache_dtype == "auto"
+                                        else None, kv_cache_dtype=args.kv_cache_dtype)
+    if args.command == "capacity":
+        return gpu_engine.capacity(args.model, records, eviction=args.eviction)
     return gpu_engine.bench(args.model, records, runner=args.runner, scenario=args.scenario, side=args.side,
                             kv_gib=args.kv_gib, requests_8k=args.requests_8k, quick=args.quick, full=args.full)
 

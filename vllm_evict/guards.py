@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 logger = logging.getLogger("vllm.vllm_evict")  # under "vllm" so vLLM's log handlers print it
 
 SCHEDULER_CLS = "vllm_evict.engine.scheduler.EvictScheduler"
@@ -26,6 +28,10 @@ GPU_WORKER_CLS = "vllm_evict.engine.worker.EvictGPUWorker"
 
 # Plain floating-point KV caches: eviction reads, scores and moves K and V as they are stored.
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+# fp8 KV caches with vLLM's per-layer scales (stored = fp8(k / k_scale)): the kernels dequantise what they
+# read with the same scales, compaction moves the bytes. The name -> the element type vLLM stores.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SUPPORTED_KV_CACHE_DTYPES = (*KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES)
 # The attention op whose Python implementation calls impl.forward, where the eviction hook sits.
 ATTENTION_OP = "vllm::unified_attention_with_output"
 
@@ -76,9 +82,14 @@ def evicting_worker_cls(worker_cls: str, on_cpu: bool) -> str:
 
 # ---- single checks, shared by the argument and the config stage ---------------------------------------
 def check_kv_cache_dtype(dtype: Any) -> None:
-    if str(dtype) not in KV_CACHE_DTYPES:
-        raise ValueError(f"KV eviction does not support a quantized KV cache (kv_cache_dtype={dtype}); use "
-                         f"--kv-cache-dtype auto (supported: {', '.join(KV_CACHE_DTYPES)})")
+    if str(dtype) not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"KV eviction does not support the KV cache dtype {dtype} (its scales are not per layer); "
+                         f"use --kv-cache-dtype auto or fp8 (supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)})")
+
+
+def fp8_storage_dtype(kv_cache_dtype: Any) -> torch.dtype | None:
+    """The float8 element type of an fp8 KV cache (None: a plain floating-point cache)."""
+    return FP8_KV_CACHE_DTYPES.get(str(kv_cache_dtype))
 
 
 def check_context_parallel(decode: int, prefill: int) -> None:

@@ -164,6 +164,8 @@ def compact_tokens(caches: list[Tensor], block_table: Tensor, keep: Tensor, coun
     if keep.numel() == 0 or not caches:
         return
     device = caches[0].device
+    # An fp8 cache moves as bytes: a raw copy on every backend, whatever float8 support each has.
+    caches = [c.view(torch.uint8) if c.dtype in paged.FP8_DTYPES else c for c in caches]
     ok = all(c.dim() in (3, 4) and c.element_size() in (1, 2, 4, 8) for c in caches)
     chosen = select_backend("compact_tokens", device, backend, cuda_ok=ok)
     if chosen == "torch":
@@ -176,62 +178,83 @@ def compact_tokens(caches: list[Tensor], block_table: Tensor, keep: Tensor, coun
             ext.compact_(cache, block_table, keep, counts)
 
 
+_CUDA_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _window_cuda_ok(k_cache: Tensor, queries: Tensor, positions: Tensor, k_scale: Tensor | None) -> bool:
+    """Whether the CUDA window kernels take these keys and queries: keys and queries of one dtype
+    (fp32/fp16/bf16), or fp8 keys with their scale and fp16/bf16 queries; head size up to 256."""
+    if k_scale is None:
+        dtypes_ok = queries.dtype == k_cache.dtype and k_cache.dtype in _CUDA_FLOATS
+    else:
+        dtypes_ok = (k_cache.dtype in paged.FP8_DTYPES and queries.dtype in (torch.float16, torch.bfloat16)
+                     and k_scale.dtype == torch.float32 and k_scale.numel() == 1)
+    return dtypes_ok and k_cache.dim() == 4 and k_cache.shape[3] <= 256 and positions.dtype == torch.int32
+
+
 def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
                 scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
-                per_query_head: bool = False, backend: str | None = None) -> Tensor:
+                per_query_head: bool = False, k_scale: Tensor | None = None, backend: str | None = None) -> Tensor:
     """Window attention mass of every row: fp32 [R, H_kv, width] (summed over the GQA group) or
-    [R, H_kv, G, width]; queries [R, W, H_q, d] with positions [R, W]; gain None or [R, W]."""
-    ok = (not per_query_head and queries.dtype == k_cache.dtype
-          and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
-          and k_cache.dim() == 4 and k_cache.shape[3] <= 256 and positions.dtype == torch.int32)
+    [R, H_kv, G, width]; queries [R, W, H_q, d] with positions [R, W]; gain None or [R, W].
+
+    ``k_scale``: for an fp8 key cache (float8_e4m3fn / float8_e5m2, vLLM's ``kv_cache_dtype="fp8*"``), the
+    layer's fp32 key scale, a [] or [1] tensor on the cache's device (vLLM's ``layer._k_scale``); the
+    kernels read the fp8 keys and dequantise them as ``k.float() * k_scale`` on the fly (the queries stay in
+    the model dtype). None: the keys are used as stored."""
+    ok = not per_query_head and _window_cuda_ok(k_cache, queries, positions, k_scale)
     chosen = select_backend("window_mass", k_cache.device, backend, cuda_ok=ok)
     args = (k_cache, block_table, lengths, queries, query_positions, scale)
-    kwargs = dict(positions=positions, width=width, gain=gain, per_query_head=per_query_head)
+    kwargs = dict(positions=positions, width=width, gain=gain, per_query_head=per_query_head, k_scale=k_scale)
     if chosen == "torch":
         return paged.window_mass(*args, **kwargs)
     if chosen == "triton":
         return _triton_module("window_mass").window_mass(*args, **kwargs)
     return cuda_extension().window_mass(k_cache, block_table, lengths, queries, query_positions, float(scale),
-                                        positions, int(width), gain)
+                                        positions, int(width), gain, k_scale)
 
 
 def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
                            query_positions: Tensor, scale: float, *, positions: Tensor, width: int,
-                           gain: Tensor | None = None, backend: str | None = None) -> None:
+                           gain: Tensor | None = None, k_scale: Tensor | None = None,
+                           backend: str | None = None) -> None:
     """``window_mass`` added into the paged fp32 ``state`` in place: [num_pages, H_kv, bs] (summed over the
-    GQA group) or [num_pages, H_kv, bs, G] (per query head), at each row's slots below its length."""
-    ok = (state.dim() == 3 and queries.dtype == k_cache.dtype and state.dtype == torch.float32
-          and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
-          and k_cache.dim() == 4 and k_cache.shape[3] <= 256 and positions.dtype == torch.int32)
+    GQA group) or [num_pages, H_kv, bs, G] (per query head), at each row's slots below its length.
+    ``k_scale``: as in ``window_mass``."""
+    ok = (state.dim() == 3 and state.dtype == torch.float32
+          and _window_cuda_ok(k_cache, queries, positions, k_scale))
     chosen = select_backend("window_mass", k_cache.device, backend, cuda_ok=ok)
     args = (state, k_cache, block_table, lengths, queries, query_positions, scale)
-    kwargs = dict(positions=positions, width=width, gain=gain)
+    kwargs = dict(positions=positions, width=width, gain=gain, k_scale=k_scale)
     if chosen == "torch":
         paged.accumulate_window_mass(*args, **kwargs)
     elif chosen == "triton":
         _triton_module("window_mass").accumulate_window_mass(*args, **kwargs)
     else:
         cuda_extension().accumulate_window_mass_(state, k_cache, block_table, lengths, queries, query_positions,
-                                                 float(scale), positions, int(width), gain)
+                                                 float(scale), positions, int(width), gain, k_scale)
 
 
 def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int,
-                   backend: str | None = None) -> Tensor:
-    """KeyDiff −k̂ᵀμ of every row's slots: fp32 [R, H_kv, width], -inf padding."""
+                   k_scale: Tensor | None = None, backend: str | None = None) -> Tensor:
+    """KeyDiff −k̂ᵀμ of every row's slots: fp32 [R, H_kv, width], -inf padding. ``k_scale``: as in
+    ``window_mass`` (fp8 keys dequantised in the kernel)."""
     chosen = select_backend("keydiff_scores", k_cache.device, backend, cuda_ok=False)
     if chosen == "triton":
-        return _triton_module("keydiff").keydiff_scores(k_cache, block_table, lengths, width=width)
-    return paged.keydiff_scores(k_cache, block_table, lengths, width=width)
+        return _triton_module("keydiff").keydiff_scores(k_cache, block_table, lengths, width=width, k_scale=k_scale)
+    return paged.keydiff_scores(k_cache, block_table, lengths, width=width, k_scale=k_scale)
 
 
 def output_error(v_cache: Tensor, block_table: Tensor, lengths: Tensor, alpha: Tensor, *, fast: bool = False,
-                 eps: float = 1e-6, backend: str | None = None) -> Tensor:
+                 eps: float = 1e-6, v_scale: Tensor | None = None, backend: str | None = None) -> Tensor:
     """CAOTE's output error (``fast``: FastCAOTE) from normalised base weights ``alpha`` [R, H_kv, width]:
-    fp32 [R, H_kv, width], -inf padding."""
+    fp32 [R, H_kv, width], -inf padding. ``v_scale``: for an fp8 value cache, the layer's fp32 value scale
+    ([] or [1], on the cache's device; values dequantised in the kernel as ``v.float() * v_scale``)."""
     chosen = select_backend("output_error", v_cache.device, backend, cuda_ok=False)
     if chosen == "triton":
-        return _triton_module("output_error").output_error(v_cache, block_table, lengths, alpha, fast=fast, eps=eps)
-    return paged.output_error(v_cache, block_table, lengths, alpha, fast=fast, eps=eps)
+        return _triton_module("output_error").output_error(v_cache, block_table, lengths, alpha, fast=fast, eps=eps,
+                                                           v_scale=v_scale)
+    return paged.output_error(v_cache, block_table, lengths, alpha, fast=fast, eps=eps, v_scale=v_scale)
 
 
 def value_norms(values: Tensor, o_proj: Tensor, *, backend: str | None = None) -> Tensor:

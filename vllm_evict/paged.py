@@ -10,7 +10,10 @@ Conventions shared with the kernels (``vllm_evict/kernels``, ``vllm_evict/csrc``
 - ``lengths`` [R]: slots in use per row; ``width`` (a host int >= max(lengths)) is the padded
   candidate axis N of every [R, H, N] result, so no shape needs a device synchronisation;
 - window queries are padded per row: ``queries`` [R, W, H_q, d] with ``query_positions`` [R, W]
-  (-1: empty entry); ``positions`` is the paged buffer of every slot's logical position.
+  (-1: empty entry); ``positions`` is the paged buffer of every slot's logical position;
+- an fp8 cache (vLLM's ``kv_cache_dtype="fp8*"``) stores K / V as float8 with a per-layer fp32 scale
+  (``k_scale`` / ``v_scale``, shape [] or [1], on the cache's device): the value is ``x.float() * scale``.
+  The scores take the scale and dequantise only the rows they gather (``dequantize``).
 
 Every score here gathers the rows into dense tensors and calls ``vllm_evict.dense``: the kernels
 are tested against exactly what the policies compute. Nothing loops over rows in Python.
@@ -43,6 +46,15 @@ def slot_addresses(block_table: Tensor, width: int, page_size: int,
     return pages, (slots % page_size).expand(block_table.shape[0], -1)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize(x: Tensor, scale: Tensor | None) -> Tensor:
+    """``x`` as it is without a scale, else fp32 ``x.float() * scale`` (``scale`` [] or [1]: broadcasts;
+    stays on the device, no synchronisation)."""
+    return x if scale is None else x.float() * scale
+
+
 def gather_slots(buffer: Tensor, pages: Tensor, offsets: Tensor) -> Tensor:
     """[num_pages, H, bs, *rest] at (pages, offsets) [R, N] -> [R, H, N, *rest]."""
     return buffer[pages, :, offsets].transpose(1, 2)
@@ -60,6 +72,8 @@ def gather_tokens(cache: Tensor, block_table: Tensor, width: int) -> Tensor:
     if not isinstance(cache, Tensor) or width == 0 or block_table.shape[1] == 0:
         pages, offsets = slot_addresses(block_table, width, page_size)
         return gather_slots(cache, pages, offsets)
+    if cache.dtype in FP8_DTYPES:  # move fp8 as bytes: not every device's index kernels take float8
+        return gather_tokens(cache.view(torch.uint8), block_table, width).view(cache.dtype)
     if block_table.shape[1] < count:  # the last page stands in for the missing ones
         block_table = block_table[:, torch.arange(count, device=block_table.device).clamp_max(block_table.shape[1] - 1)]
     got = cache.index_select(0, block_table[:, :count].reshape(-1))  # [R * count, H, bs, *rest]
@@ -123,9 +137,10 @@ def permute_tokens(caches: list[Tensor], block_ids: Tensor, order: Tensor) -> No
 # ---- scores -----------------------------------------------------------------------------------------
 def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
                 scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
-                per_query_head: bool = False) -> Tensor:
-    """``dense.window_mass`` of every row over its paged keys: fp32 [R, H, width] or [R, H, G, width]."""
-    keys = gather_tokens(k_cache, block_table, width)
+                per_query_head: bool = False, k_scale: Tensor | None = None) -> Tensor:
+    """``dense.window_mass`` of every row over its paged keys: fp32 [R, H, width] or [R, H, G, width].
+    ``k_scale``: the fp32 scale of an fp8 key cache ([] or [1]), None for a full-precision cache."""
+    keys = dequantize(gather_tokens(k_cache, block_table, width), k_scale)
     key_positions = gather_tokens(positions, block_table, width)
     return dense.window_mass(keys, key_positions, lengths, queries.permute(0, 2, 1, 3), query_positions, scale,
                              gain=gain, per_query_head=per_query_head)
@@ -133,13 +148,13 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
 
 def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
                            query_positions: Tensor, scale: float, *, positions: Tensor, width: int,
-                           gain: Tensor | None = None) -> None:
+                           gain: Tensor | None = None, k_scale: Tensor | None = None) -> None:
     """``window_mass`` added into the paged per-token ``state`` in place ([num_pages, H, bs], or
     [num_pages, H, bs, G] per query head) at each row's slots: one scatter that adds, nothing read back.
     Padding slots add 0 (they may alias a row's real slots: the sum is the same)."""
     per_query_head = state.dim() == 4
     mass = window_mass(k_cache, block_table, lengths, queries, query_positions, scale, positions=positions,
-                       width=width, gain=gain, per_query_head=per_query_head)
+                       width=width, gain=gain, per_query_head=per_query_head, k_scale=k_scale)
     pages, offsets = slot_addresses(block_table, width, k_cache.shape[2])  # [R, N]
     valid = dense.valid_slots(lengths, width)  # [R, 1, N]
     heads = torch.arange(state.shape[1], device=state.device).view(1, -1, 1)
@@ -150,13 +165,16 @@ def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, 
     state.index_put_((pages.unsqueeze(1), heads, offsets.unsqueeze(1)), values, accumulate=True)
 
 
-def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int) -> Tensor:
-    """``dense.keydiff_scores`` of every row: fp32 [R, H, width], -inf on padding."""
-    return dense.keydiff_scores(gather_tokens(k_cache, block_table, width), lengths)
+def keydiff_scores(k_cache: Tensor, block_table: Tensor, lengths: Tensor, *, width: int,
+                   k_scale: Tensor | None = None) -> Tensor:
+    """``dense.keydiff_scores`` of every row: fp32 [R, H, width], -inf on padding (``k_scale``: as in
+    ``window_mass``)."""
+    return dense.keydiff_scores(dequantize(gather_tokens(k_cache, block_table, width), k_scale), lengths)
 
 
 def output_error(v_cache: Tensor, block_table: Tensor, lengths: Tensor, alpha: Tensor, *, fast: bool = False,
-                 eps: float = 1e-6) -> Tensor:
-    """``dense.output_error`` of every row for weights ``alpha`` [R, H, width]: fp32, -inf on padding."""
-    values = gather_tokens(v_cache, block_table, alpha.shape[-1])
+                 eps: float = 1e-6, v_scale: Tensor | None = None) -> Tensor:
+    """``dense.output_error`` of every row for weights ``alpha`` [R, H, width]: fp32, -inf on padding.
+    ``v_scale``: the fp32 scale of an fp8 value cache ([] or [1]), None for a full-precision cache."""
+    values = dequantize(gather_tokens(v_cache, block_table, alpha.shape[-1]), v_scale)
     return dense.output_error(alpha, values, lengths, fast=fast, eps=eps)

@@ -59,6 +59,8 @@ class PagedScoreOps(DispatchedScoreOps):
     width: int  # N, the padded candidate axis (a host int)
     backend: str | None = None  # None: ops picks by device; tests force "torch" or "triton"
     shard: KVShard | None = None  # tensor parallel: this rank's KV heads (None: whole groups)
+    k_scale: Tensor | None = None  # an fp8 cache's per-layer scales (the kernels dequantise with them)
+    v_scale: Tensor | None = None
 
     def window_mass(self, inp: "EvictionInputs", query_positions: Tensor | None = None,
                     gain: Tensor | float | None = None, per_query_head: bool = False) -> Tensor:
@@ -69,18 +71,20 @@ class PagedScoreOps(DispatchedScoreOps):
             from vllm_evict.dense import row_gains
 
             gains = row_gains(gain, rows, w, self.k_cache.device).contiguous()
-        queries = inp.queries.permute(0, 2, 1, 3).to(self.k_cache.dtype)  # [R, W, H_q, d]
+        queries = inp.queries.permute(0, 2, 1, 3)  # [R, W, H_q, d]
+        if self.k_scale is None:  # over an fp8 cache the queries keep their dtype
+            queries = queries.to(self.k_cache.dtype)
         mass = ops.window_mass(self.k_cache, self.block_table, self.lengths, queries, qpos, inp.scale,
                                positions=self.positions, width=self.width, gain=gains,
-                               per_query_head=per_query_head, backend=self.backend)
+                               per_query_head=per_query_head, backend=self.backend, k_scale=self.k_scale)
         if self.shard is None:
             return mass
         return self.shard.complete_group_mass(mass) if per_query_head else self.shard.complete_mass(mass)
 
     def keydiff_scores(self, inp: "EvictionInputs") -> Tensor:
         return ops.keydiff_scores(self.k_cache, self.block_table, self.lengths, width=self.width,
-                                  backend=self.backend)
+                                  backend=self.backend, k_scale=self.k_scale)
 
     def output_error(self, inp: "EvictionInputs", alpha: Tensor, fast: bool, eps: float) -> Tensor:
         return ops.output_error(self.v_cache, self.block_table, self.lengths, alpha, fast=fast, eps=eps,
-                                backend=self.backend)
+                                backend=self.backend, v_scale=self.v_scale)

@@ -31,9 +31,10 @@ from torch import Tensor
 
 from vllm_evict.config import EvictionConfig
 from vllm_evict.evict_step import (
-    POSITION_DTYPE, LayerCache, Record, StepPlan, WindowStep, build_group, evict_layer, record_layer, record_step,
-    ring_entries, state_initializers,
+    POSITION_DTYPE, LayerCache, Record, StepPlan, WindowStep, build_group, dequantized_tokens, evict_layer, movable,
+    record_layer, record_step, ring_entries, state_initializers,
 )
+from vllm_evict.guards import check_kv_cache_dtype, fp8_storage_dtype
 from vllm_evict.paged import gather_tokens
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import eviction_target, phase_of, window_end
@@ -73,7 +74,7 @@ class _Run:
     """One request's paged cache and step state; the attention hook reads it through a context var."""
 
     def __init__(self, model: Any, policy: Policy | None, config: EvictionConfig | None, prompt_len: int,
-                 max_tokens: int, slack: int) -> None:
+                 max_tokens: int, slack: int, kv_cache_dtype: str = "auto", kv_scale: float = 1.0) -> None:
         cfg = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -84,8 +85,12 @@ class _Run:
         self.policy, self.config, self.prompt_len, self.slack = policy, config, prompt_len, slack
         pages = -(-max_tokens // PAGE_SIZE)
         shape = (pages + 1, self.kv_heads, PAGE_SIZE, self.head_size)  # page 0: trash (vLLM's null page)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        check_kv_cache_dtype(kv_cache_dtype)
+        fp8 = fp8_storage_dtype(kv_cache_dtype)  # an fp8 cache as vLLM keeps it: fp8(k / scale), per layer
+        stored = fp8 if fp8 is not None else self.dtype
+        self.k = [torch.zeros(shape, dtype=stored, device=self.device) for _ in range(self.layers)]
+        self.v = [torch.zeros(shape, dtype=stored, device=self.device) for _ in range(self.layers)]
+        kv_scale_t = torch.tensor(float(kv_scale), device=self.device) if fp8 is not None else None
         self.block_table = torch.arange(1, pages + 1, device=self.device).view(1, -1)
         self.positions = torch.zeros(self.layers, *shape[:3], dtype=POSITION_DTYPE, device=self.device)
         self.states = {name: torch.zeros(self.layers, *shape[:3], device=self.device)
@@ -105,7 +110,7 @@ class _Run:
                        state={n: b[i] for n, b in self.states.items()},
                        ring=torch.zeros(2, window, self.query_heads, self.head_size, dtype=self.dtype,
                                         device=self.device) if window else None,
-                       scale=1.0)
+                       scale=1.0, k_scale=kv_scale_t, v_scale=kv_scale_t)
             for i in range(self.layers)]
         self.initializers, self.zero_states = state_initializers([policy] if policy else [])
         self.trace: list[EvictionEvent] = []
@@ -238,11 +243,12 @@ def _reference_attention(module: torch.nn.Module, query: Tensor, key: Tensor, va
     q, k_new, v_new = query[0], key[0], value[0]  # [H_q, m, d], [H_kv, m, d] post-RoPE
     m = q.shape[1]
     rec = run.plan.record
-    cache.k[rec.pages, :, rec.offsets] = k_new.transpose(0, 1).to(cache.k.dtype)
-    cache.v[rec.pages, :, rec.offsets] = v_new.transpose(0, 1).to(cache.v.dtype)
+    for target, new, kv_scale in ((cache.k, k_new, cache.k_scale), (cache.v, v_new, cache.v_scale)):
+        stored = new.transpose(0, 1) if kv_scale is None else (new.transpose(0, 1).float() / kv_scale)
+        movable(target)[rec.pages, :, rec.offsets] = movable(stored.to(target.dtype))
     n = run.cached + m
-    keys = gather_tokens(cache.k, run.block_table, n)[0]
-    values = gather_tokens(cache.v, run.block_table, n)[0]
+    keys = dequantized_tokens(cache.k, run.block_table, n, cache.k_scale)[0]  # what the attention reads
+    values = dequantized_tokens(cache.v, run.block_table, n, cache.v_scale)[0]
     if run.policy is None:
         key_positions = torch.arange(n, device=q.device).expand(keys.shape[0], n)  # no eviction: slot = position
     else:
@@ -295,7 +301,8 @@ def _eos_ids(model: Any) -> set[int]:
 @torch.inference_mode()
 def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: EvictionConfig | None,
                   max_new_tokens: int, chunk_size: int | Sequence[int] = 128, page_size: int = 1, *, tokenizer: Any = None,
-                  ignore_eos: bool = False, compressions: Mapping[int, Sequence[int]] | None = None) -> ReferenceResult:
+                  ignore_eos: bool = False, compressions: Mapping[int, Sequence[int]] | None = None,
+                  kv_cache_dtype: str = "auto", kv_scale: float = 1.0) -> ReferenceResult:
     """Greedy generation with the engine's eviction mechanics (see the module docstring).
 
     ``page_size`` is the engine's page size, from which ``config.slack_for`` derives the decode slack (the
@@ -304,6 +311,9 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
     With ``ignore_eos=False`` generation stops after an EOS token (which is returned).
     ``compressions`` replays elastic mode: {step index: [tokens kept, ...]} compresses the cache before
     that forward step, once per entry, in order (the engine's ``EvictionPlan.compress``).
+    ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" keeps K and V as vLLM's fp8 cache does (fp8(k /
+    kv_scale), one scale per layer for K and V; vLLM's default scale is 1.0): the attention and every score
+    read them dequantised.
     """
     _register()
     if isinstance(model_or_path, (str, os.PathLike, Path)):
@@ -319,7 +329,8 @@ def run_reference(model_or_path: Any, prompt_ids: Sequence[int], config: Evictio
         raise ValueError("max_new_tokens must be >= 0")
     policy = config.build_policy() if config is not None else None
     effective_slack = config.slack_for(page_size) if config is not None else page_size
-    run = _Run(model, policy, config, len(prompt), len(prompt) + max_new_tokens, effective_slack)
+    run = _Run(model, policy, config, len(prompt), len(prompt) + max_new_tokens, effective_slack, kv_cache_dtype,
+               kv_scale)
     device = run.device
     eos = set() if ignore_eos else _eos_ids(model)
 

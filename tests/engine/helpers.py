@@ -106,3 +106,16 @@ def cached_pages(runner: Any, request_id: str, tokens: int) -> Any:
     """The pages holding a request's first ``tokens`` cached tokens, [pages] on the runner's device."""
     pages = -(-tokens // runner.evict_buffers.geometry.page_size)
     return runner.evict_view.page_table([request_id], pages, runner.evict_builder.staging.to_device)[0].long()
+
+
+def engine_kept_positions(engine: "Engine", prompt_ids: list[int], params: Any) -> tuple[Any, list[Any]]:
+    """Generate one request; its output and the logical positions each layer kept per KV head, sorted."""
+    import torch
+
+    runner = engine.runner
+    runner.evict_kept_record = {}
+    output = engine.llm.generate([{"prompt_token_ids": prompt_ids}], params)[0]
+    # The worker hears of the finish with the next step: run one tiny request to deliver it.
+    engine.llm.generate([{"prompt_token_ids": prompt_ids[:3]}], greedy(1, kv_eviction="none"))
+    (kept,) = runner.evict_kept_record.values()
+    return output, [torch.sort(layer, dim=-1).values for layer in kept]

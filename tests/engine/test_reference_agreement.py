@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.helpers import BLOCK, TEST_RUNNER, greedy
+from tests.engine.helpers import BLOCK, TEST_RUNNER, engine_kept_positions, greedy
 from vllm_evict import EvictionConfig
 from vllm_evict.policies.base import Phase
 from vllm_evict.reference import run_reference
@@ -19,16 +19,6 @@ CHUNK = 64
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
           "books were made across Europe. Before that, scribes copied every page by hand, which made books "
           "rare and expensive. ") * 6
-
-
-def engine_kept_positions(engine, prompt_ids, params):
-    runner = engine.runner
-    runner.evict_kept_record = {}
-    output = engine.llm.generate([{"prompt_token_ids": prompt_ids}], params)[0]
-    # The worker hears of the finish with the next step: run one tiny request to deliver it.
-    engine.llm.generate([{"prompt_token_ids": prompt_ids[:3]}], greedy(1, kv_eviction="none"))
-    (kept,) = runner.evict_kept_record.values()
-    return output, [torch.sort(layer, dim=-1).values for layer in kept]
 
 
 # On Model Runner V2 (the suite's V2 pass) the policies run the same eviction step as on V1; what V2

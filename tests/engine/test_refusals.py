@@ -72,14 +72,14 @@ def test_async_scheduling_is_left_to_vllm_and_picks_the_async_scheduler(tiny_lla
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"kv_cache_dtype": "fp8"}, "does not support a quantized KV cache"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "does not support speculative decoding"),
-    # KV cache dtypes: an allowlist, so every quantized format is refused, not only fp8*
-    ({"kv_cache_dtype": "int8_per_token_head"}, r"does not support a quantized KV cache \(kv_cache_dtype="
-                                                r"int8_per_token_head\); use --kv-cache-dtype auto \(supported: "
-                                                r"auto, float16, bfloat16, float32\)"),
-    ({"kv_cache_dtype": "nvfp4"}, r"kv_cache_dtype=nvfp4\); use --kv-cache-dtype auto"),
-    ({"kv_cache_dtype": "turboquant_k8v4"}, r"kv_cache_dtype=turboquant_k8v4\); use --kv-cache-dtype auto"),
+    # KV cache dtypes: an allowlist, so every quantized format other than per-layer-scaled fp8 is refused
+    ({"kv_cache_dtype": "int8_per_token_head"}, r"does not support the KV cache dtype int8_per_token_head \(its "
+                                                r"scales are not per layer\); use --kv-cache-dtype auto or fp8 "
+                                                r"\(supported: auto, float16, bfloat16, float32, fp8, fp8_e4m3, "
+                                                r"fp8_e5m2\)"),
+    ({"kv_cache_dtype": "nvfp4"}, r"KV cache dtype nvfp4 \(its scales are not per layer\); use --kv-cache-dtype auto or fp8"),
+    ({"kv_cache_dtype": "turboquant_k8v4"}, r"dtype turboquant_k8v4 \(its scales are not per layer\); use --kv-cache-dtype auto"),
     # context parallelism places a request's tokens on ranks by position
     ({"decode_context_parallel_size": 2}, r"does not support context parallelism \(decode_context_parallel_size=2, "
                                           r"prefill_context_parallel_size=1\).*drop --decode-context-parallel-size"),

@@ -63,21 +63,34 @@ int scalar_kind(const torch::Tensor& t) {
     case torch::kFloat32: return vllm_evict::kFloat32;
     case torch::kFloat16: return vllm_evict::kFloat16;
     case torch::kBFloat16: return vllm_evict::kBFloat16;
-    default: TORCH_CHECK(false, "window mass supports fp32/fp16/bf16 caches, got ", t.scalar_type());
+    case at::ScalarType::Float8_e4m3fn: return vllm_evict::kFloat8E4M3;
+    case at::ScalarType::Float8_e5m2: return vllm_evict::kFloat8E5M2;
+    default: TORCH_CHECK(false, "window mass supports fp32/fp16/bf16 and fp8 (e4m3fn, e5m2) caches, got ",
+                         t.scalar_type());
   }
   return -1;
 }
 
 // The kernels' view of paged.window_mass's arguments (checked; nothing converted or copied). `g` keeps a
-// gain converted to fp32 alive until the launches are queued.
+// gain converted to fp32 alive until the launches are queued. Keys and queries share a dtype, or the keys
+// are fp8 (vLLM's fp8 KV cache, optionally with the layer's scale `k_scale`) and the queries fp16/bf16.
 vllm_evict::WindowArgs window_args(const torch::Tensor& k_cache, const torch::Tensor& block_table,
                                    const torch::Tensor& lengths, const torch::Tensor& queries,
                                    const torch::Tensor& query_positions, double scale, const torch::Tensor& positions,
-                                   int64_t width, const c10::optional<torch::Tensor>& gain, torch::Tensor& g) {
+                                   int64_t width, const c10::optional<torch::Tensor>& gain,
+                                   const c10::optional<torch::Tensor>& k_scale, torch::Tensor& g) {
   TORCH_CHECK(k_cache.is_cuda() && k_cache.dim() == 4, "k_cache must be a CUDA [num_pages, H_kv, page_size, d] view");
   TORCH_CHECK(k_cache.size(3) <= 256, "window mass supports head sizes up to 256, got ", k_cache.size(3));
-  TORCH_CHECK(queries.scalar_type() == k_cache.scalar_type(), "queries (", queries.scalar_type(),
-              ") and keys (", k_cache.scalar_type(), ") must share a dtype");
+  const int kind = scalar_kind(k_cache);
+  const bool fp8 = kind == vllm_evict::kFloat8E4M3 || kind == vllm_evict::kFloat8E5M2;
+  if (fp8) {
+    TORCH_CHECK(queries.scalar_type() == torch::kFloat16 || queries.scalar_type() == torch::kBFloat16,
+                "with fp8 keys the queries must be fp16 or bf16, got ", queries.scalar_type());
+  } else {
+    TORCH_CHECK(queries.scalar_type() == k_cache.scalar_type(), "queries (", queries.scalar_type(),
+                ") and keys (", k_cache.scalar_type(), ") must share a dtype");
+    TORCH_CHECK(!k_scale.has_value(), "k_scale is for fp8 keys; the keys are ", k_cache.scalar_type());
+  }
   TORCH_CHECK(lengths.dim() == 1, "lengths must be [R], got ", lengths.sizes());
   const int64_t rows = lengths.size(0), h_kv = k_cache.size(1);
   TORCH_CHECK(queries.dim() == 4 && queries.size(0) == rows && queries.size(3) == k_cache.size(3),
@@ -96,7 +109,14 @@ vllm_evict::WindowArgs window_args(const torch::Tensor& k_cache, const torch::Te
   TORCH_CHECK(queries.device() == dev && positions.device() == dev, "queries and positions must be on ", dev);
   vllm_evict::WindowArgs a{};
   a.k = k_cache.data_ptr();
-  a.kind = scalar_kind(k_cache);
+  a.kind = kind;
+  a.q_kind = scalar_kind(queries);
+  if (k_scale.has_value()) {  // a device pointer: the kernels read the scale, the host never does
+    TORCH_CHECK(k_scale->scalar_type() == torch::kFloat32 && k_scale->numel() == 1 && k_scale->device() == dev,
+                "k_scale must be a one-element fp32 tensor on ", dev, ", got ", k_scale->scalar_type(), " ",
+                k_scale->sizes(), " on ", k_scale->device());
+    a.k_scale = k_scale->data_ptr<float>();
+  }
   a.s_blk = k_cache.stride(0); a.s_head = k_cache.stride(1); a.s_tok = k_cache.stride(2); a.s_dim = k_cache.stride(3);
   a.d = k_cache.size(3); a.page_size = k_cache.size(2);
   a.block_table = index_of(block_table, "block_table", dev);
@@ -125,9 +145,10 @@ vllm_evict::WindowArgs window_args(const torch::Tensor& k_cache, const torch::Te
 // those of paged.window_mass, in its order (per_query_head aside: not supported here).
 torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torch::Tensor lengths,
                           torch::Tensor queries, torch::Tensor query_positions, double scale, torch::Tensor positions,
-                          int64_t width, c10::optional<torch::Tensor> gain) {
+                          int64_t width, c10::optional<torch::Tensor> gain, c10::optional<torch::Tensor> k_scale) {
   torch::Tensor g;
-  const auto a = window_args(k_cache, block_table, lengths, queries, query_positions, scale, positions, width, gain, g);
+  const auto a = window_args(k_cache, block_table, lengths, queries, query_positions, scale, positions, width, gain,
+                             k_scale, g);
   const c10::cuda::CUDAGuard guard(k_cache.device());
   auto f32 = torch::TensorOptions().device(k_cache.device()).dtype(torch::kFloat32);
   if (a.rows == 0 || a.w == 0 || width == 0) return torch::zeros({a.rows, a.h_kv, width}, f32);  // no key or no query
@@ -143,9 +164,11 @@ torch::Tensor window_mass(torch::Tensor k_cache, torch::Tensor block_table, torc
 // (fp32 [num_pages, H_kv, page_size], any strides) at every row's slots, in place.
 void accumulate_window_mass_(torch::Tensor state, torch::Tensor k_cache, torch::Tensor block_table,
                              torch::Tensor lengths, torch::Tensor queries, torch::Tensor query_positions, double scale,
-                             torch::Tensor positions, int64_t width, c10::optional<torch::Tensor> gain) {
+                             torch::Tensor positions, int64_t width, c10::optional<torch::Tensor> gain,
+                             c10::optional<torch::Tensor> k_scale) {
   torch::Tensor g;
-  const auto a = window_args(k_cache, block_table, lengths, queries, query_positions, scale, positions, width, gain, g);
+  const auto a = window_args(k_cache, block_table, lengths, queries, query_positions, scale, positions, width, gain,
+                             k_scale, g);
   TORCH_CHECK(state.scalar_type() == torch::kFloat32 && state.dim() == 3 && state.size(0) == k_cache.size(0) &&
               state.size(1) == k_cache.size(1) && state.size(2) == k_cache.size(2) &&
               state.device() == k_cache.device(), "state must be fp32 [num_pages, H_kv, page_size] on ",
@@ -168,9 +191,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache"), py::arg("block_table"), py::arg("keep"), py::arg("counts"));
   m.def("window_mass", &window_mass, "observation-window attention mass summed over the GQA group "
         "(paged.window_mass)", py::arg("k_cache"), py::arg("block_table"), py::arg("lengths"), py::arg("queries"),
-        py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"));
+        py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"),
+        py::arg("k_scale") = py::none());
   m.def("accumulate_window_mass_", &accumulate_window_mass_, "observation-window attention mass summed over the "
         "GQA group, added into a paged state in place (paged.accumulate_window_mass)", py::arg("state"),
         py::arg("k_cache"), py::arg("block_table"), py::arg("lengths"), py::arg("queries"),
-        py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"));
+        py::arg("query_positions"), py::arg("scale"), py::arg("positions"), py::arg("width"), py::arg("gain"),
+        py::arg("k_scale") = py::none());
 }

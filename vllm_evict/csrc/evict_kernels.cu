@@ -2,10 +2,12 @@
 // No torch header here on purpose: this file compiles with plain nvcc (see tests/kernels).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "evict_kernels.h"
 
@@ -89,6 +91,12 @@ cudaError_t compact_typed(const CompactArgs& a, cudaStream_t stream) {
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e5m2 x) { return static_cast<float>(x); }
+
+// fp8 keys are stored divided by the layer's scale: only they are multiplied back (a.k_scale).
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, __nv_fp8_e4m3> || std::is_same_v<T, __nv_fp8_e5m2>;
 
 __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -108,12 +116,16 @@ __device__ __forceinline__ int64_t query_position(const WindowArgs& a, int64_t r
   return load_index(a.query_pos, r * a.qp_s_r + e * a.qp_s_w);
 }
 
-// Loads the tile's keys (fp32, padded rows: conflict-free column reads) and their positions.
-// Shared layout: keys [kWindowTile][d + 1], then the query rows [kWarps][d].
-template <typename T>
+// Loads the tile's keys (fp32, padded rows: conflict-free column reads; fp8 keys times the scale) and
+// their positions. Shared layout: keys [kWindowTile][d + 1], then the query rows [kWarps][d].
+template <typename KT>
 __device__ void load_key_tile(const WindowArgs& a, int64_t r, int64_t h, int64_t n0, int64_t length, float* ks,
                               int64_t* kpos) {
-  const T* k = static_cast<const T*>(a.k);
+  const KT* k = static_cast<const KT*>(a.k);
+  float k_scale = 1.f;
+  if constexpr (kIsFp8<KT>) {
+    if (a.k_scale != nullptr) k_scale = *a.k_scale;  // read on the device: no host sync
+  }
   const int64_t bt_row = r * a.bt_s_r;
   const int64_t ld = a.d + 1;
   for (int64_t idx = threadIdx.x; idx < kWindowTile * a.d; idx += blockDim.x) {
@@ -124,6 +136,7 @@ __device__ void load_key_tile(const WindowArgs& a, int64_t r, int64_t h, int64_t
     if (slot < length) {
       x = to_float(k[slot_offset(a.block_table, bt_row, a.bt_s_p, slot, a.page_size, a.s_blk, a.s_tok) +
                      h * a.s_head + dd * a.s_dim]);
+      if constexpr (kIsFp8<KT>) x *= k_scale;
     }
     ks[key * ld + dd] = x;
   }
@@ -139,10 +152,10 @@ __device__ void load_key_tile(const WindowArgs& a, int64_t r, int64_t h, int64_t
 
 // The base-2 logits of window entry e of query head hq of row r against this lane's keys; -inf where
 // not visible. The whole warp calls it for one entry.
-template <typename T>
+template <typename QT>
 __device__ void row_logits(const WindowArgs& a, int64_t r, int64_t e, int64_t hq, int64_t qpos, const float* ks,
                            const int64_t* kpos, float* qrow, float (&s)[kKeysPerLane]) {
-  const T* q = static_cast<const T*>(a.q) + r * a.q_s_r + e * a.q_s_w + hq * a.q_s_h;
+  const QT* q = static_cast<const QT*>(a.q) + r * a.q_s_r + e * a.q_s_w + hq * a.q_s_h;
   const int lane = threadIdx.x & 31;
   for (int64_t dd = lane; dd < a.d; dd += 32) qrow[dd] = to_float(q[dd * a.q_s_d]);
   __syncwarp();
@@ -163,7 +176,7 @@ __host__ __device__ __forceinline__ int64_t n_tiles_of(const WindowArgs& a) {
   return (a.width + kWindowTile - 1) / kWindowTile;
 }
 
-template <typename T>
+template <typename KT, typename QT>
 __global__ void window_partials_kernel(WindowArgs a, float* __restrict__ part_m, float* __restrict__ part_l) {
   extern __shared__ float smem[];
   __shared__ int64_t kpos[kWindowTile];
@@ -174,7 +187,7 @@ __global__ void window_partials_kernel(WindowArgs a, float* __restrict__ part_m,
   float* ks = smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* qrow = smem + kWindowTile * (a.d + 1) + warp * a.d;
-  load_key_tile<T>(a, r, h, n0, length, ks, kpos);
+  load_key_tile<KT>(a, r, h, n0, length, ks, kpos);
   __syncthreads();
   const int64_t h_q = a.h_kv * a.group;
   const int64_t n_tiles = n_tiles_of(a);
@@ -185,7 +198,7 @@ __global__ void window_partials_kernel(WindowArgs a, float* __restrict__ part_m,
     float m = -INFINITY, l = 0.f;
     if (qpos >= 0) {  // an empty entry sees nothing: skip its logits (uniform over the warp)
       float s[kKeysPerLane];
-      row_logits<T>(a, r, e, hq, qpos, ks, kpos, qrow, s);
+      row_logits<QT>(a, r, e, hq, qpos, ks, kpos, qrow, s);
 #pragma unroll
       for (int j = 0; j < kKeysPerLane; ++j) m = fmaxf(m, s[j]);
       m = warp_max(m);
@@ -235,7 +248,7 @@ struct WindowOut {
   int64_t st_blk, st_head, st_tok;
 };
 
-template <typename T>
+template <typename KT, typename QT>
 __global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ lse, WindowOut o) {
   extern __shared__ float smem[];
   __shared__ int64_t kpos[kWindowTile];
@@ -254,7 +267,7 @@ __global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ ls
   float* ks = smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float* qrow = smem + kWindowTile * (a.d + 1) + warp * a.d;
-  load_key_tile<T>(a, r, h, n0, length, ks, kpos);
+  load_key_tile<KT>(a, r, h, n0, length, ks, kpos);
   __syncthreads();
   const int64_t h_q = a.h_kv * a.group;
   float acc[kKeysPerLane];
@@ -266,7 +279,7 @@ __global__ void window_colsums_kernel(WindowArgs a, const float* __restrict__ ls
     const float row_lse = lse[(r * a.w + e) * h_q + hq];
     if (row_lse == -INFINITY) continue;  // empty entry or no visible key (uniform over the warp)
     float s[kKeysPerLane];
-    row_logits<T>(a, r, e, hq, query_position(a, r, e), ks, kpos, qrow, s);
+    row_logits<QT>(a, r, e, hq, query_position(a, r, e), ks, kpos, qrow, s);
 #pragma unroll
     for (int j = 0; j < kKeysPerLane; ++j) acc[j] += s[j] == -INFINITY ? 0.f : exp2f(s[j] - row_lse);
   }
@@ -297,11 +310,12 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
   return cudaSuccess;
 }
 
-template <typename T>
+// KT: the keys' element type; QT: the queries' (the same unless the keys are fp8).
+template <typename KT, typename QT>
 cudaError_t window_mass_typed(const WindowArgs& a, float* scratch, const WindowOut& o, cudaStream_t stream) {
   const size_t smem = window_smem(a);
-  cudaError_t err = allow_smem(window_partials_kernel<T>, smem);
-  if (err == cudaSuccess) err = allow_smem(window_colsums_kernel<T>, smem);
+  cudaError_t err = allow_smem(window_partials_kernel<KT, QT>, smem);
+  if (err == cudaSuccess) err = allow_smem(window_colsums_kernel<KT, QT>, smem);
   if (err != cudaSuccess) return err;
   const int64_t n_tiles = n_tiles_of(a);
   const int64_t entries = a.rows * a.w * a.h_kv * a.group;
@@ -309,14 +323,14 @@ cudaError_t window_mass_typed(const WindowArgs& a, float* scratch, const WindowO
   float* part_l = scratch + entries * n_tiles;
   float* lse = scratch + 2 * entries * n_tiles;
   const dim3 grid(static_cast<unsigned>(a.rows), static_cast<unsigned>(a.h_kv), static_cast<unsigned>(n_tiles));
-  window_partials_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, part_m, part_l);
+  window_partials_kernel<KT, QT><<<grid, kWindowThreads, smem, stream>>>(a, part_m, part_l);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const unsigned lse_blocks = static_cast<unsigned>((entries + kLseThreads - 1) / kLseThreads);
   window_lse_kernel<<<lse_blocks, kLseThreads, 0, stream>>>(a, part_m, part_l, lse);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  window_colsums_kernel<T><<<grid, kWindowThreads, smem, stream>>>(a, lse, o);
+  window_colsums_kernel<KT, QT><<<grid, kWindowThreads, smem, stream>>>(a, lse, o);
   return cudaGetLastError();
 }
 
@@ -339,12 +353,26 @@ int64_t window_scratch_floats(const WindowArgs& a) {
 }
 
 namespace {
+// fp8 keys with fp16/bf16 queries.
+template <typename KT>
+int window_mass_fp8(const WindowArgs& a, float* scratch, const WindowOut& o, cudaStream_t st) {
+  switch (a.q_kind) {
+    case kFloat16: return window_mass_typed<KT, __half>(a, scratch, o, st);
+    case kBFloat16: return window_mass_typed<KT, __nv_bfloat16>(a, scratch, o, st);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
 int window_mass_any(const WindowArgs& a, float* scratch, const WindowOut& o, void* stream) {
   auto st = static_cast<cudaStream_t>(stream);
+  const bool same = a.q_kind == a.kind;
   switch (a.kind) {
-    case kFloat32: return window_mass_typed<float>(a, scratch, o, st);
-    case kFloat16: return window_mass_typed<__half>(a, scratch, o, st);
-    case kBFloat16: return window_mass_typed<__nv_bfloat16>(a, scratch, o, st);
+    case kFloat32: return same ? window_mass_typed<float, float>(a, scratch, o, st) : cudaErrorInvalidValue;
+    case kFloat16: return same ? window_mass_typed<__half, __half>(a, scratch, o, st) : cudaErrorInvalidValue;
+    case kBFloat16:
+      return same ? window_mass_typed<__nv_bfloat16, __nv_bfloat16>(a, scratch, o, st) : cudaErrorInvalidValue;
+    case kFloat8E4M3: return window_mass_fp8<__nv_fp8_e4m3>(a, scratch, o, st);
+    case kFloat8E5M2: return window_mass_fp8<__nv_fp8_e5m2>(a, scratch, o, st);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

@@ -10,7 +10,8 @@
 
 namespace vllm_evict {
 
-enum ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// Element types of the window kernels' keys and queries (fp8: keys only, vLLM's fp8 KV cache).
+enum ScalarKind : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3, kFloat8E5M2 = 4 };
 
 // An integer tensor read in place: int64 elements when `wide`, else int32.
 struct Index {
@@ -40,7 +41,9 @@ int launch_compact(const CompactArgs& a, void* stream);
 // Observation-window attention mass of every row, summed over the GQA group: out [R, H_kv, width] fp32.
 struct WindowArgs {
   const void* k;  // paged key view [num_pages, H_kv, page_size, d], element type `kind`
-  int kind;       // ScalarKind of keys and queries (they must match)
+  int kind;       // ScalarKind of the keys
+  int q_kind;     // ScalarKind of the queries: `kind`, or fp16/bf16 when the keys are fp8
+  const float* k_scale;  // fp8 keys: device pointer to the layer's key scale (value = k * scale); nullptr: 1
   int64_t s_blk, s_head, s_tok, s_dim, d, page_size;
   Index block_table;  // [R, pages]
   int64_t bt_s_r, bt_s_p;

@@ -30,7 +30,7 @@ a per-page offset table and supports the indexing the engine uses (``cache[pages
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Union
 
 import torch
@@ -208,8 +208,13 @@ CANDIDATES: dict[str, Callable[[Tensor, int], tuple[KVView, KVView]]] = {
 
 
 def probe_kv_layout(impl: object, layer: torch.nn.Module, kv_cache: Tensor, num_kv_heads: int,
-                    head_size: int) -> tuple[str, KVViews]:
-    """Return (name, views) for the layout ``impl`` writes, or raise ValueError naming the backend."""
+                    head_size: int, fp8: torch.dtype | None = None,
+                    input_dtype: torch.dtype | None = None) -> tuple[str, KVViews]:
+    """Return (name, views) for the layout ``impl`` writes, or raise ValueError naming the backend.
+
+    ``fp8``: the cache is an fp8 cache of that element type (vLLM stores it as bytes or as float8), written
+    from keys of ``input_dtype`` quantised with the layer's ``_k_scale`` / ``_v_scale``; the views are then
+    float8 views, and a layout matches when it reads back what the quantisation wrote."""
     update = getattr(impl, "do_kv_cache_update", None)
     backend = getattr(layer, "attn_backend", None)  # vLLM declares this on the backend class
     if update is None or getattr(backend, "forward_includes_kv_cache_update", False):
@@ -228,10 +233,15 @@ def probe_kv_layout(impl: object, layer: torch.nn.Module, kv_cache: Tensor, num_
         raise ValueError(f"KV eviction does not recognise the KV-cache shape {tuple(kv_cache.shape)} of "
                          f"{type(impl).__name__}")
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(block_size, num_kv_heads, head_size, generator=generator).to(kv_cache.device, kv_cache.dtype)
-    values = torch.randn(block_size, num_kv_heads, head_size, generator=generator).to(kv_cache.device, kv_cache.dtype)
+    written = input_dtype if fp8 is not None and input_dtype is not None else kv_cache.dtype
+    keys = torch.randn(block_size, num_kv_heads, head_size, generator=generator).to(kv_cache.device, written)
+    values = torch.randn(block_size, num_kv_heads, head_size, generator=generator).to(kv_cache.device, written)
     slots = torch.arange(block_size, dtype=torch.int64, device=kv_cache.device)  # page 0: the null page
     update(layer, keys, values, kv_cache, slots)
+    reads_back = _reads_back_exactly
+    if fp8 is not None:
+        reads_back = partial(_reads_back_quantized, fp8=fp8, k_scale=getattr(layer, "_k_scale", None),
+                             v_scale=getattr(layer, "_v_scale", None))
     found: tuple[str, KVViews] | None = None
     for name, view_fn in CANDIDATES.items():
         try:
@@ -240,7 +250,7 @@ def probe_kv_layout(impl: object, layer: torch.nn.Module, kv_cache: Tensor, num_
             continue
         if tuple(k.shape[1:]) != (num_kv_heads, block_size, head_size) or tuple(v.shape) != tuple(k.shape):
             continue
-        if torch.equal(k[0].transpose(0, 1), keys) and torch.equal(v[0].transpose(0, 1), values):
+        if reads_back(k[0].transpose(0, 1), keys) and reads_back(v[0].transpose(0, 1), values, value=True):
             found = (name, lambda kv, fn=view_fn: fn(kv, head_size))
             break
     if found is None:
@@ -251,4 +261,28 @@ def probe_kv_layout(impl: object, layer: torch.nn.Module, kv_cache: Tensor, num_
     with torch.no_grad():  # leave the null page zeroed, as vLLM made it
         k0[0] = 0
         v0[0] = 0
+    if fp8 is not None:
+        if not isinstance(k0, Tensor):
+            raise ValueError(f"KV eviction does not support an fp8 KV cache in the {found[0]} layout of "
+                             f"{type(impl).__name__}; use --kv-cache-dtype auto")
+        fn = found[1]
+        found = (found[0], lambda kv: tuple(x.view(fp8) for x in fn(kv)))  # type: ignore[misc, return-value]
     return found
+
+
+def _reads_back_exactly(stored: Tensor, written: Tensor, value: bool = False) -> bool:
+    return torch.equal(stored, written)
+
+
+def _reads_back_quantized(stored: Tensor, written: Tensor, value: bool = False, *, fp8: torch.dtype,
+                          k_scale: Tensor | None, v_scale: Tensor | None) -> bool:
+    """Whether fp8 ``stored`` (bytes or float8) dequantises to ``written`` within fp8's rounding: half a
+    unit in the last place (12.5% for e5m2's 2 mantissa bits, 6.25% for e4m3), and half the smallest
+    subnormal. A wrong layout reads other tokens' or dims' random values: far outside that."""
+    scale = v_scale if value else k_scale
+    scale = scale.float() if isinstance(scale, Tensor) else torch.tensor(1.0, device=stored.device)
+    got = stored.contiguous().view(fp8).float() * scale
+    want = written.float()
+    mantissa = torch.finfo(fp8).eps  # 2^-mantissa bits
+    tiny = torch.finfo(fp8).smallest_normal * mantissa
+    return bool(((got - want).abs() <= 0.5 * mantissa * want.abs() * 1.01 + tiny * scale).all())

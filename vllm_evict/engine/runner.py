@@ -32,6 +32,7 @@ from vllm_evict.engine.buffers import (
     EvictionBuffers, Geometry, Layout, bytes_per_token, eviction_bytes, kv_share, layout_for,
 )
 from vllm_evict.engine.layout import probe_kv_layout
+from vllm_evict.guards import fp8_storage_dtype
 from vllm_evict.engine.plan import PLAN_ATTR, EvictionPlan
 from vllm_evict.config import EvictionConfig
 from vllm_evict.engine.rows import PolicyTable, RowTable
@@ -137,8 +138,10 @@ class EvictRunnerMixin:
         if not layers:
             raise ValueError("KV eviction found no attention layers with a paged KV cache in this model")
         first = layers[0][1]
+        fp8 = fp8_storage_dtype(self.cache_config.cache_dtype)  # type: ignore[attr-defined]
+        model_dtype = self.model_config.dtype  # type: ignore[attr-defined]
         self.evict_layout, views = probe_kv_layout(first.impl, first, first.kv_cache, first.impl.num_kv_heads,
-                                                   first.impl.head_size)
+                                                   first.impl.head_size, fp8=fp8, input_dtype=model_dtype)
         logger.info("vllm_evict: KV layout of %s is %s", type(first.impl).__name__, self.evict_layout)
         k0, _ = views(first.kv_cache)
         manager_page = self.cache_config.block_size  # type: ignore[attr-defined]
@@ -151,7 +154,8 @@ class EvictRunnerMixin:
         geometry = Geometry(layers=len(layers), num_pages=k0.shape[0], kv_heads=k0.shape[1], page_size=k0.shape[2],
                             query_heads=first.impl.num_heads, head_size=first.impl.head_size,
                             max_rows=self.evict_view.max_rows,
-                            dtype=first.kv_cache.dtype, device=first.kv_cache.device)
+                            dtype=model_dtype if fp8 is not None else first.kv_cache.dtype,
+                            device=first.kv_cache.device)
         self.evict_buffers = buffers = EvictionBuffers(geometry, self.evict_buffer_layout())
         logger.info("vllm_evict: eviction's buffers hold %.1f MiB (states %s, query ring %d queries)",
                     buffers.nbytes / 2**20, ", ".join(buffers.states) or "none", buffers.window)
@@ -170,12 +174,15 @@ class EvictRunnerMixin:
                                                 state={n: b[index] for n, b in buffers.states.items()},
                                                 ring=buffers.ring[index] if buffers.ring is not None else None,
                                                 scale=float(module.impl.scale),
-                                                head_offset=shard.head_offset if shard is not None else 0, shard=shard))
+                                                head_offset=shard.head_offset if shard is not None else 0, shard=shard,
+                                                k_scale=module._k_scale if fp8 is not None else None,
+                                                v_scale=module._v_scale if fp8 is not None else None))
             self.evict_layer_names.append(name)
             impl = module.impl
             original = getattr(impl.forward, HOOK_ATTR, impl.forward)  # never wrap a hook in a hook
             impl.forward = self._make_hook(index, original)
-        self._use_slot_rows()
+        if fp8 is None:  # window pages are not lent over an fp8 cache (engine/window_lender.py)
+            self._use_slot_rows()
         if self._guard_cuda_graphs():
             logger.info("vllm_evict: full CUDA graphs run on steps without eviction work in any layer")
         if self.evict_server is not None:
@@ -201,7 +208,8 @@ class EvictRunnerMixin:
         """Compile every eviction kernel variant any request can need, now (engine/warmup.py)."""
         cache, name = self.evict_layers[0], self.evict_layer_names[0]
         geometry = WarmupGeometry(k=cache.k, v=cache.v, query_heads=self.evict_buffers.geometry.query_heads,
-                                  scale=cache.scale)
+                                  scale=cache.scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                  dtype=self.evict_buffers.geometry.dtype)
 
         def o_proj() -> Tensor | None:
             try:
@@ -280,11 +288,14 @@ class EvictRunnerMixin:
         kv_heads, query_heads = model.get_num_kv_heads(parallel), model.get_num_attention_heads(parallel)
         head_size = model.get_head_size()
         dtype = self.kv_cache_dtype if isinstance(getattr(self, "kv_cache_dtype", None), torch.dtype) else model.dtype
+        if fp8_storage_dtype(self.cache_config.cache_dtype) is not None:  # type: ignore[attr-defined]
+            dtype = torch.uint8  # one byte per element, whatever type vLLM allocates it as
         element = torch.tensor([], dtype=dtype).element_size()
         layout = self.evict_buffer_layout()
         rows = self.scheduler_config.max_num_seqs  # type: ignore[attr-defined]
         ring = eviction_bytes(layers=layers, kv_heads=kv_heads, query_heads=query_heads, head_size=head_size,
-                              element=element, layout=layout, pool_tokens=0, rows=rows)
+                              element=torch.tensor([], dtype=model.dtype).element_size(), layout=layout,
+                              pool_tokens=0, rows=rows)  # the ring holds queries: the model's dtype
         ours = bytes_per_token(layers, kv_heads, max(query_heads // max(kv_heads, 1), 1), layout)
         share = kv_share(available, kv_per_token=layers * kv_heads * head_size * 2 * element, ours_per_token=ours,
                          fixed=ring)

@@ -74,13 +74,20 @@ class WarmupGeometry:
     v: Tensor
     query_heads: int
     scale: float
+    k_scale: Tensor | None = None  # an fp8 cache's per-layer scales (None: not quantized)
+    v_scale: Tensor | None = None
+    dtype: torch.dtype | None = None  # the queries' (the model's) dtype; None: the cache's
+
+    @property
+    def query_dtype(self) -> torch.dtype:
+        return self.dtype if self.dtype is not None else self.k.dtype
 
 
 def _qkv(tokens: int, g: WarmupGeometry) -> tuple[Tensor, Tensor, Tensor]:
     """query, key, value [T, H*d] as vLLM's attention gets them: views of one fused qkv projection."""
     h_kv, d = g.k.shape[1], g.k.shape[3]
     sizes = [g.query_heads * d, h_kv * d, h_kv * d]
-    qkv = torch.ones(tokens, sum(sizes), dtype=g.k.dtype, device=g.k.device)  # values are irrelevant
+    qkv = torch.ones(tokens, sum(sizes), dtype=g.query_dtype, device=g.k.device)  # values are irrelevant
     q, k, v = qkv.split(sizes, dim=-1)
     return q, k, v
 
@@ -110,15 +117,17 @@ def warm_up(g: WarmupGeometry, o_proj: Callable[[], Tensor | None] | None = None
                 skipped.append(config.policy)
                 continue
         window = policy.window_for(config.budget)
-        ring = torch.ones(2, window, g.query_heads, d, dtype=g.k.dtype, device=device) if window else None
+        ring = torch.ones(2, window, g.query_heads, d, dtype=g.query_dtype, device=device) if window else None
         ring_positions = torch.arange(2 * window, device=device).view(2, window) if window else None
         cache = LayerCache(index=0, k=k, v=v, positions=positions, state=states, ring=ring, scale=g.scale,
-                           o_proj=weight if policy.needs_o_proj else None)
+                           o_proj=weight if policy.needs_o_proj else None, k_scale=g.k_scale, v_scale=g.v_scale)
         initializers, zero_states = state_initializers([policy])
         # An elastic request's policy reads its window from the query ring ("ring"); a fixed-mode request's
         # window mass is accumulated as its queries arrive ("mass") or, with lent window pages, computed
         # from the queries waiting there when the window is read ("pages"; "mixed": a group with both).
-        modes = ("ring", "mass", "pages", "mixed") if policy.accumulates_window else ("ring" if window else "none",)
+        # No window pages are lent over an fp8 cache (engine/window_lender.py): no "pages" or "mixed" there.
+        lent_modes = ("pages", "mixed") if g.k_scale is None else ()
+        modes = ("ring", "mass", *lent_modes) if policy.accumulates_window else ("ring" if window else "none",)
         for phase, evicting, mode in ((p, e, m) for p in PHASES for e in (False, True) for m in modes):
             scheduled = np.array([1, 1] if phase is Phase.DECODE else [page, 4], dtype=np.int64)
             tokens = int(scheduled.sum())

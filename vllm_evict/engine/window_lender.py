@@ -14,7 +14,8 @@ otherwise it gives back any it holds. Lending never takes what vLLM would use in
   (``EvictionPlan.window_returned``), before this step's forward writes into the pages.
 
 A request that gets no pages accumulates its window's mass as its queries arrive: the same tokens are
-kept either way. ``VLLM_EVICT_WINDOW_PAGES=0`` turns lending off (every window accumulates).
+kept either way. ``VLLM_EVICT_WINDOW_PAGES=0`` turns lending off (every window accumulates); so does an fp8
+KV cache, whose slots are too narrow for a query in the model's dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm_evict.engine.window_pages import pages_for_window
+from vllm_evict.guards import fp8_storage_dtype
 from vllm_evict.policies.base import Policy
 
 if TYPE_CHECKING:
@@ -45,7 +47,9 @@ def query_group(model_config: Any) -> int:
 class WindowPageLender:
     def __init__(self, scheduler: "EvictScheduler") -> None:
         self.scheduler = scheduler
-        self.enabled = os.environ.get(ENV, "1") != "0"
+        # Lent pages hold queries in the model's dtype in K/V slots: an fp8 cache's slots are too narrow.
+        fp8 = fp8_storage_dtype(scheduler.vllm_config.cache_config.cache_dtype)
+        self.enabled = os.environ.get(ENV, "1") != "0" and fp8 is None
         self.group = query_group(scheduler.vllm_config.model_config)
         settings = scheduler.server_settings
         self.window_cap = settings[1].max_window if settings is not None else None

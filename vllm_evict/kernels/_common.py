@@ -53,6 +53,36 @@ def slot_offsets(bt_row_ptr, bt_s_p, slots, block_size, s_blk, s_tok, mask):
     return page * s_blk + (slots % block_size).to(tl.int64) * s_tok
 
 
+@triton.jit
+def load_scale(scale_ptr, SCALED: tl.constexpr):
+    """The fp32 dequantisation scale of an fp8 cache (a one-element tensor), loaded once per program;
+    1.0 and no load without one."""
+    scale = 1.0
+    if SCALED:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    return scale
+
+
+@triton.jit
+def dequantize(x, scale, SCALED: tl.constexpr):
+    """fp8 elements ``x`` as fp32 ``x * scale`` when SCALED, else ``x`` untouched (same dtype)."""
+    if SCALED:
+        x = x.to(tl.float32) * scale
+    return x
+
+
+def scale_argument(scale: Tensor | None, cache: Tensor, name: str, stand_in: Tensor) -> tuple[Tensor, bool]:
+    """(pointer, SCALED) for a kernel's scale parameter. Without a scale the pointer is ``stand_in``, an fp32
+    tensor of the launch that the kernel never reads, so the argument types, and with them the compiled
+    variant, are the same on every call. Checks shape, dtype and device only (no read: no sync)."""
+    if scale is None:
+        return stand_in, False
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != cache.device:
+        raise ValueError(f"{name} must be a one-element fp32 tensor on {cache.device} ([] or [1]), got "
+                         f"{scale.dtype} {tuple(scale.shape)} on {scale.device}")
+    return scale, True
+
+
 def view_strides(cache: Tensor) -> tuple[int, int, int, int, int]:
     """(s_blk, s_head, s_tok, s_dim, d) of a [num_pages, H, bs, d] view, or of a [num_pages, H, bs]
     per-token buffer treated as d = 1."""

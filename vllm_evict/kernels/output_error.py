@@ -15,23 +15,28 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import block_d, check_index, per_step_jit, slot_offsets, table_strides, view_strides
+from ._common import (block_d, check_index, dequantize, load_scale, per_step_jit, scale_argument, slot_offsets,
+                      table_strides, view_strides)
 
 
 @triton.jit
-def _load_values(v_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols, dmask):
+def _load_values(v_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols, dmask,
+                 vscale, SCALED: tl.constexpr):
     off = slot_offsets(bt_row, bt_s_p, slots, block_size, s_blk, s_tok, nmask) + h.to(tl.int64) * s_head
-    return tl.load(v_ptr + off[:, None] + dcols.to(tl.int64)[None, :] * s_dim,
-                   mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + off[:, None] + dcols.to(tl.int64)[None, :] * s_dim,
+                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    return dequantize(v, vscale, SCALED).to(tl.float32)
 
 
 @per_step_jit(ints=('bt_s_r', 'a_s_r', 'a_s_h', 'pt_s_r', 'pt_s_h', 'width'),
-              pointers=('bt_ptr', 'len_ptr'))
-def _center_sum_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s_r, a_s_h, a_s_n, part_ptr,
+              pointers=('vs_ptr', 'bt_ptr', 'len_ptr'))
+def _center_sum_kernel(v_ptr, vs_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s_r, a_s_h, a_s_n, part_ptr,
                        pt_s_r, pt_s_h, pt_s_c, width, block_size, s_blk, s_head, s_tok, s_dim, D, chunk,
-                       FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                       FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       SCALED: tl.constexpr = False):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    vscale = load_scale(vs_ptr, SCALED)
     c = tl.program_id(2)
     length = tl.minimum(tl.load(len_ptr + r.to(tl.int64) * len_s).to(tl.int64), width)
     dcols = tl.arange(0, BLOCK_D)
@@ -45,7 +50,7 @@ def _center_sum_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s
         slots = n0 + tl.arange(0, BLOCK_N)
         nmask = slots < stop
         v = _load_values(v_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols,
-                         dmask)
+                         dmask, vscale, SCALED)
         if FAST:
             acc += tl.sum(v, axis=0)
         else:
@@ -56,13 +61,15 @@ def _center_sum_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s
 
 
 @per_step_jit(ints=('bt_s_r', 'a_s_r', 'a_s_h', 'pt_s_r', 'pt_s_h', 'n_chunks', 'o_s_r', 'o_s_h', 'width'),
-              pointers=('bt_ptr', 'len_ptr'))
-def _output_error_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s_r, a_s_h, a_s_n, part_ptr,
+              pointers=('vs_ptr', 'bt_ptr', 'len_ptr'))
+def _output_error_kernel(v_ptr, vs_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a_s_r, a_s_h, a_s_n, part_ptr,
                          pt_s_r, pt_s_h, pt_s_c, n_chunks, out_ptr, o_s_r, o_s_h, width, block_size, s_blk,
                          s_head, s_tok, s_dim, D, eps,
-                         FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         FAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         SCALED: tl.constexpr = False):
     r = tl.program_id(0)
     h = tl.program_id(1)
+    vscale = load_scale(vs_ptr, SCALED)
     raw_length = tl.load(len_ptr + r.to(tl.int64) * len_s).to(tl.int64)
     length = tl.minimum(raw_length, width)
     slots = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,7 +87,7 @@ def _output_error_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a
             x = x / tl.maximum(raw_length, 1).to(tl.float32)
         bt_row = bt_ptr + r.to(tl.int64) * bt_s_r
         v = _load_values(v_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim, dcols,
-                         dmask)
+                         dmask, vscale, SCALED)
         diff = tl.where(dmask[None, :], x[None, :] - v, 0.0)
         dist = tl.sqrt(tl.sum(diff * diff, axis=1))
         a = tl.load(a_ptr + r.to(tl.int64) * a_s_r + h.to(tl.int64) * a_s_h + slots.to(tl.int64) * a_s_n,
@@ -93,9 +100,10 @@ def _output_error_kernel(v_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, a_ptr, a
 
 
 def output_error(v_cache: Tensor, block_table: Tensor, lengths: Tensor, alpha: Tensor, *, fast: bool = False,
-                 eps: float = 1e-6, block_n: int = 64, chunk: int = 1024) -> Tensor:
+                 eps: float = 1e-6, v_scale: Tensor | None = None, block_n: int = 64, chunk: int = 1024) -> Tensor:
     """Triton ``paged.output_error``: fp32 [R, H_kv, N] for weights ``alpha`` [R, H_kv, N] (any strides,
-    any float dtype), -inf on padding. ``block_n`` / ``chunk`` as in ``keydiff.keydiff_scores``."""
+    any float dtype), -inf on padding. ``v_scale``: None, or the fp32 [] / [1] scale of an fp8 value cache
+    (values dequantised in the kernel). ``block_n`` / ``chunk`` as in ``keydiff.keydiff_scores``."""
     check_index("block_table", block_table)
     check_index("lengths", lengths)
     rows, h_kv = lengths.shape[0], v_cache.shape[1]
@@ -112,11 +120,12 @@ def output_error(v_cache: Tensor, block_table: Tensor, lengths: Tensor, alpha: T
     part = torch.empty((rows, h_kv, n_chunks, d), dtype=torch.float32, device=v_cache.device)
     bd = block_d(d)
     geometry = (v_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
-    common = (v_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), alpha, *alpha.stride(), part,
+    vs, scaled = scale_argument(v_scale, v_cache, "v_scale", part)
+    common = (v_cache, vs, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), alpha, *alpha.stride(), part,
               *part.stride()[:3])
     _center_sum_kernel[(rows, h_kv, n_chunks)](
-        *common, width, *geometry, chunk, FAST=fast, BLOCK_N=block_n, BLOCK_D=bd)
+        *common, width, *geometry, chunk, FAST=fast, BLOCK_N=block_n, BLOCK_D=bd, SCALED=scaled)
     _output_error_kernel[(rows, h_kv, triton.cdiv(width, block_n))](
         *common, n_chunks, out, out.stride(0), out.stride(1), width, *geometry, float(eps),
-        FAST=fast, BLOCK_N=block_n, BLOCK_D=bd)
+        FAST=fast, BLOCK_N=block_n, BLOCK_D=bd, SCALED=scaled)
     return out

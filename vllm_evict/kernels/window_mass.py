@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import (block_d, check_index, dot_precision, needs_upcast, per_step_jit, slot_offsets,
-                      table_strides, view_strides)
+from ._common import (block_d, check_index, dequantize, dot_precision, load_scale, needs_upcast, per_step_jit,
+                      scale_argument, slot_offsets, table_strides, view_strides)
 
 
 @triton.jit
@@ -56,14 +56,28 @@ def _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head
     return k, kpos
 
 
+@triton.jit
+def _dot_keys(k, kscale, q_ptr, SCALED: tl.constexpr, UPCAST: tl.constexpr):
+    """Loaded keys as ``tl.dot`` operands: fp8 keys dequantised (fp32 times the scale), then in the queries'
+    dtype on a GPU (tensor cores take bf16/fp16 pairs) or fp32 under UPCAST (the interpreter)."""
+    if SCALED:
+        k = dequantize(k, kscale, SCALED)
+        if not UPCAST:
+            k = k.to(q_ptr.dtype.element_ty)
+    if UPCAST:
+        k = k.to(tl.float32)
+    return k
+
+
 @per_step_jit(ints=('bt_s_r', 'qs_r', 'qp_s_r', 'g_s_r', 'lse_s_r', 'W', 'width'),
-              pointers=('bt_ptr', 'len_ptr', 'qpos_ptr', 'gain_ptr'))
-def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
+              pointers=('ks_ptr', 'bt_ptr', 'len_ptr', 'qpos_ptr', 'gain_ptr'))
+def _window_lse_kernel(k_ptr, ks_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
                        qpos_ptr, qp_s_r, qp_s_w, gain_ptr, g_s_r, g_s_w, pos_ptr, p_blk, p_head, p_tok,
                        lse_ptr, lse_s_r, lse_s_w, W, width, scale, group,
                        block_size, s_blk, s_head, s_tok, s_dim, D,
                        HAS_GAIN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                       BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       SCALED: tl.constexpr = False):
     r = tl.program_id(0)
     hq = tl.program_id(1)
     entries = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -76,6 +90,7 @@ def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_
     if UPCAST:
         q = q.to(tl.float32)
     h = hq // group
+    kscale = load_scale(ks_ptr, SCALED)
     length = tl.minimum(tl.load(len_ptr + r64 * len_s).to(tl.int64), width)
     bt_row = bt_ptr + r64 * bt_s_r
     m = tl.full((BLOCK_W,), float("-inf"), tl.float32)
@@ -85,8 +100,7 @@ def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_
         nmask = slots < length
         k, kpos = _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
                              dcols, dmask, pos_ptr, p_blk, p_head, p_tok)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = _dot_keys(k, kscale, q_ptr, SCALED, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * coef[:, None]
         visible = nmask[None, :] & (kpos[None, :] <= qpos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -99,14 +113,14 @@ def _window_lse_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_
 
 
 @per_step_jit(ints=('bt_s_r', 'qs_r', 'qp_s_r', 'g_s_r', 'lse_s_r', 'W', 'width', 'o_s_r', 'o_s_h', 'o_s_g'),
-              pointers=('bt_ptr', 'len_ptr', 'qpos_ptr', 'gain_ptr'))
-def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
+              pointers=('ks_ptr', 'bt_ptr', 'len_ptr', 'qpos_ptr', 'gain_ptr'))
+def _window_colsum_kernel(k_ptr, ks_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, qs_r, qs_w, qs_h, qs_d,
                           qpos_ptr, qp_s_r, qp_s_w, gain_ptr, g_s_r, g_s_w, pos_ptr, p_blk, p_head, p_tok,
                           lse_ptr, lse_s_r, lse_s_w, out_ptr, o_s_r, o_s_h, o_s_g, W, width, scale, group,
                           block_size, s_blk, s_head, s_tok, s_dim, D,
                           HAS_GAIN: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, REDUCE: tl.constexpr,
                           BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          ACCUMULATE: tl.constexpr = False):
+                          ACCUMULATE: tl.constexpr = False, SCALED: tl.constexpr = False):
     # ACCUMULATE: out_ptr is a paged state with strides (o_s_r, o_s_h, o_s_g) = (page, head, token), and per
     # query head its last axis 1 apart; the sums are added at the row's slots below its length.
     r = tl.program_id(0)
@@ -123,8 +137,7 @@ def _window_colsum_kernel(k_ptr, bt_ptr, bt_s_r, bt_s_p, len_ptr, len_s, q_ptr, 
         bt_row = bt_ptr + r64 * bt_s_r
         k, kpos = _load_keys(k_ptr, bt_row, bt_s_p, slots, nmask, h, block_size, s_blk, s_head, s_tok, s_dim,
                              dcols, dmask, pos_ptr, p_blk, p_head, p_tok)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = _dot_keys(k, load_scale(ks_ptr, SCALED), q_ptr, SCALED, UPCAST)
         total = tl.zeros((BLOCK_N,), tl.float32)
         if ACCUMULATE:
             state_at = slot_offsets(bt_row, bt_s_p, slots, block_size, o_s_r, o_s_g, nmask) + h.to(tl.int64) * o_s_h
@@ -191,7 +204,7 @@ def _validate(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Te
 
 def _lse_pass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
               scale: float, positions: Tensor, width: int, gain: Tensor | None, group: int, block_n: int,
-              block_w: int) -> tuple[tuple, tuple, dict]:
+              block_w: int, k_scale: Tensor | None = None) -> tuple[tuple, tuple, dict]:
     """The first pass (each query's log-sum-exp over its visible keys), launched; returns the arguments
     the column-sum pass shares with it (leading arguments, trailing geometry, meta-parameters)."""
     rows, w, h_q, d = lengths.shape[0], queries.shape[1], queries.shape[2], queries.shape[3]
@@ -199,16 +212,19 @@ def _lse_pass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Te
     s_blk, s_head, s_tok, s_dim, _ = view_strides(k_cache)
     lse = torch.empty((rows, w, h_q), dtype=torch.float32, device=k_cache.device)
     gain_t, g_s_r, g_s_w = (gain, gain.stride(0), gain.stride(1)) if gain is not None else (lse, 0, 0)
-    upcast = needs_upcast(queries, k_cache)
-    prec = "ieee" if upcast else dot_precision(queries, k_cache)
-    common = (k_cache, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), queries, *queries.stride(),
+    ks, scaled = scale_argument(k_scale, k_cache, "k_scale", lse)
+    # Scaled fp8 keys are dequantised into the queries' dtype in the kernel: the queries alone decide.
+    dot_operands = (queries,) if scaled else (queries, k_cache)
+    upcast = needs_upcast(*dot_operands)
+    prec = "ieee" if upcast else dot_precision(*dot_operands)
+    common = (k_cache, ks, block_table, bt_s_r, bt_s_p, lengths, lengths.stride(0), queries, *queries.stride(),
               query_positions, *query_positions.stride(), gain_t, g_s_r, g_s_w, positions, *positions.stride(),
               lse, lse.stride(0), lse.stride(1))
     geometry = (k_cache.shape[2], s_blk, s_head, s_tok, s_dim, d)
     # fp32 dot operands multiply without tensor cores: with 4 warps the 64-key tile spills at head size 128
     # (measured with benchmarks/triton_aot.py for sm_90); 8 warps hold it. bf16/fp16 fit in 4.
     meta = dict(HAS_GAIN=gain is not None, UPCAST=upcast, PREC=prec, BLOCK_W=block_w, BLOCK_N=block_n,
-                BLOCK_D=block_d(d), num_warps=8 if prec == "ieee" else 4)
+                BLOCK_D=block_d(d), SCALED=scaled, num_warps=8 if prec == "ieee" else 4)
     _window_lse_kernel[(rows, h_q, triton.cdiv(w, block_w))](
         *common, w, width, float(scale), group, *geometry, **meta)
     return common, geometry, meta
@@ -216,13 +232,15 @@ def _lse_pass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Te
 
 def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor, query_positions: Tensor,
                 scale: float, *, positions: Tensor, width: int, gain: Tensor | None = None,
-                per_query_head: bool = False, block_n: int = 64, block_w: int = 16) -> Tensor:
+                per_query_head: bool = False, k_scale: Tensor | None = None, block_n: int = 64,
+                block_w: int = 16) -> Tensor:
     """Triton ``paged.window_mass``: fp32 [R, H_kv, width] (summed over the GQA group) or
     [R, H_kv, G, width] with ``per_query_head``.
 
     k_cache [num_pages, H_kv, bs, d] view; block_table [R, pages]; lengths [R]; queries [R, W, H_q, d];
     query_positions [R, W] (-1: empty entry); positions [num_pages, H_kv, bs] logical position of every
-    slot; gain None or fp32 [R, W]. Index tensors int32 or int64; any strides everywhere."""
+    slot; gain None or fp32 [R, W]; k_scale None, or the fp32 [] / [1] scale of an fp8 key cache (keys
+    dequantised in the kernel). Index tensors int32 or int64; any strides everywhere."""
     group = _validate(k_cache, block_table, lengths, queries, query_positions, positions, gain)
     rows, h_kv, w = lengths.shape[0], k_cache.shape[1], queries.shape[1]
     shape = (rows, h_kv, group, width) if per_query_head else (rows, h_kv, width)
@@ -230,7 +248,7 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
         return torch.zeros(shape, dtype=torch.float32, device=k_cache.device)
     out = torch.empty(shape, dtype=torch.float32, device=k_cache.device)
     common, geometry, meta = _lse_pass(k_cache, block_table, lengths, queries, query_positions, scale, positions,
-                                       width, gain, group, block_n, block_w)
+                                       width, gain, group, block_n, block_w, k_scale)
     o_s_g = out.stride(2) if per_query_head else 0
     _window_colsum_kernel[(rows, h_kv, triton.cdiv(width, block_n))](
         *common, out, out.stride(0), out.stride(1), o_s_g, w, width, float(scale), group, *geometry,
@@ -240,7 +258,8 @@ def window_mass(k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: 
 
 def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, lengths: Tensor, queries: Tensor,
                            query_positions: Tensor, scale: float, *, positions: Tensor, width: int,
-                           gain: Tensor | None = None, block_n: int = 64, block_w: int = 16) -> None:
+                           gain: Tensor | None = None, k_scale: Tensor | None = None, block_n: int = 64,
+                           block_w: int = 16) -> None:
     """``window_mass`` added into ``state`` in place: fp32 [num_pages, H_kv, bs] (summed over the GQA group)
     or [num_pages, H_kv, bs, G] (per query head), contiguous per token, at each row's slots below its length."""
     per_query_head = state.dim() == 4
@@ -254,7 +273,7 @@ def accumulate_window_mass(state: Tensor, k_cache: Tensor, block_table: Tensor, 
     if per_query_head and state.shape[3] != group:
         raise ValueError(f"a per-query-head state needs {group} entries per token, got {state.shape[3]}")
     common, geometry, meta = _lse_pass(k_cache, block_table, lengths, queries, query_positions, scale, positions,
-                                       width, gain, group, block_n, block_w)
+                                       width, gain, group, block_n, block_w, k_scale)
     # A per-query-head state's strides are the per-token ones scaled by G (its last axis is contiguous).
     per_token = [st // (group if per_query_head else 1) for st in state.stride()[:3]]
     # The read-modify-write of the state with a logit gain spills at 4 warps in bf16/fp16 (8 bytes, sm_90,
