@@ -102,10 +102,15 @@ def test_warm_up_launches_float8_variants_over_an_fp8_cache():
                 query = bound.get("q_ptr")
                 cache_reads.setdefault(kernel_name(launch.kernel).rsplit(".", 1)[-1], set()).add(
                     (bound[name].dtype, query.dtype if isinstance(query, torch.Tensor) else None))
+                if bound[name].dtype == torch.float8_e4m3fn:  # read from the cache: with the layer's own scale
+                    assert bound.get("SCALED") is True, (kernel_name(launch.kernel), bound.get("SCALED"))
+                    assert any(value is scale for value in bound.values()), kernel_name(launch.kernel)
     assert cache_reads["_window_lse_kernel"] == cache_reads["_window_colsum_kernel"] == {
         (torch.float8_e4m3fn, torch.bfloat16)}, cache_reads
     for kernel in ("_keydiff_sum_kernel", "_keydiff_score_kernel", "_center_sum_kernel", "_output_error_kernel"):
         assert cache_reads[kernel] == {(torch.float8_e4m3fn, None)}, (kernel, cache_reads.get(kernel))
+    # CriticalKV's value norms are computed from the step's values (rounded through fp8), not read back
+    assert cache_reads["_value_norms_kernel"] == {(torch.bfloat16, None)}, cache_reads.get("_value_norms_kernel")
 
 
 SPECS = ["snapkv", "keydiff", "h2o", "tova", "knorm", "ahakv", "nacl", "random", "streamingllm", "caote+snapkv",
@@ -152,11 +157,12 @@ def test_reference_over_fp8_keeps_what_full_precision_keeps(smollm2, spec):
 def test_reference_fp8_scores_through_the_triton_kernels_keep_what_the_torch_reference_keeps(smollm2):
     """The same fp8 request with the eviction operations on the Triton kernels (interpreter) and on the
     PyTorch reference: the kernels get the scales through the engine's own path (``PagedScoreOps``) and
-    dequantise as the reference does. H2O's attention mass (the window kernels) with CAOTE's output error
-    over the fp8 values, and KeyDiff's scores over the fp8 keys."""
+    dequantise as the reference does: H2O's attention mass (the window kernels over the fp8 keys) and CAOTE's
+    output error over the fp8 values (KeyDiff's kernel gets its scale the same way: its fp8 launches are in
+    ``test_warm_up_launches_float8_variants_over_an_fp8_cache``, its results in tests/kernels/test_fp8.py)."""
     model, tokenizer = smollm2
     ids = reference.prompt_token_ids(tokenizer, TEXT)[:64]
-    for spec in ("caote+h2o", "keydiff"):
+    for spec in ("caote+h2o",):
         config = EvictionConfig.from_spec(spec, 40)
         run = lambda: reference.run_reference(model, ids, config, 1, chunk_size=32, page_size=16,  # noqa: E731
                                               kv_cache_dtype="fp8_e5m2", kv_scale=0.75)

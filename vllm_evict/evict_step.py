@@ -565,7 +565,6 @@ def query_operand(cache: LayerCache, queries: Tensor) -> Tensor:
     return queries if cache.quantized or queries.dtype == cache.k.dtype else queries.to(cache.k.dtype)
 
 
-
 def accumulate_window(cache: LayerCache, group: Group, inp: EvictionInputs, queries: Tensor,
                       query_positions: Tensor) -> EvictionInputs:
     """Add the softmax rows of window queries ([R, H_q, M, d] at ``query_positions`` [R, M], -1: none;
