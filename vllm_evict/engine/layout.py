@@ -277,8 +277,8 @@ def _reads_back_exactly(stored: Tensor, written: Tensor, value: bool = False) ->
 def _reads_back_quantized(stored: Tensor, written: Tensor, value: bool = False, *, fp8: torch.dtype,
                           k_scale: Tensor | None, v_scale: Tensor | None) -> bool:
     """Whether fp8 ``stored`` (bytes or float8) dequantises to ``written`` within fp8's rounding: half a
-    unit in the last place (12.5% for e5m2's 2 mantissa bits, 6.25% for e4m3), and half the smallest
-    subnormal. A wrong layout reads other tokens' or dims' random values: far outside that."""
+    unit in the last place (12.5% for e5m2's 2 mantissa bits, 6.25% for e4m3), plus one subnormal step (for
+    values near 0), times the scale. A wrong layout reads other tokens' or dims' random values: far outside."""
     scale = v_scale if value else k_scale
     scale = scale.float() if isinstance(scale, Tensor) else torch.tensor(1.0, device=stored.device)
     got = stored.contiguous().view(fp8).float() * scale
