@@ -38,7 +38,7 @@ from vllm_evict import dense, ops
 from vllm_evict.engine.window_pages import NO_PAGE, SlotRows, window_entries
 from vllm_evict.engine.window_pages import slot_addresses as window_slot_addresses
 from vllm_evict.kv_shard import KVShard
-from vllm_evict.paged import FP8_DTYPES, dequantize, gather_tokens, slot_addresses
+from vllm_evict.paged import as_bytes, dequantize, gather_tokens, slot_addresses
 from vllm_evict.paged_ops import DISPATCHED, DispatchedScoreOps, PagedScoreOps
 from vllm_evict.policies.base import WINDOW_MASS, WINDOW_STATES, Deferred, EvictionInputs, Phase, Policy
 from vllm_evict.staging import to_device as pinned_to_device
@@ -363,14 +363,8 @@ def copy_pages(cache: LayerCache, copies: tuple[Tensor, Tensor]) -> None:
     """Copy whole pages of one layer (K, V, positions and every state) from ``copies[0]`` to
     ``copies[1]``: a request leaving a shared or hashed page keeps what it held, the page stays as it was."""
     src, dst = copies
-    for buffer in (movable(cache.k), movable(cache.v), cache.positions, *cache.state.values()):
+    for buffer in (as_bytes(cache.k), as_bytes(cache.v), cache.positions, *cache.state.values()):
         buffer[dst] = buffer[src]
-
-
-def movable(cache: Tensor) -> Tensor:
-    """A K or V view as what moving it copies: the bytes of a float8 cache (indexing float8 tensors is not
-    implemented on every device), else itself."""
-    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 def quantize_dequantize(x: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:

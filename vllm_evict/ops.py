@@ -165,7 +165,7 @@ def compact_tokens(caches: list[Tensor], block_table: Tensor, keep: Tensor, coun
         return
     device = caches[0].device
     # An fp8 cache moves as bytes: a raw copy on every backend, whatever float8 support each has.
-    caches = [c.view(torch.uint8) if c.dtype in paged.FP8_DTYPES else c for c in caches]
+    caches = [paged.as_bytes(c) for c in caches]
     ok = all(c.dim() in (3, 4) and c.element_size() in (1, 2, 4, 8) for c in caches)
     chosen = select_backend("compact_tokens", device, backend, cuda_ok=ok)
     if chosen == "torch":

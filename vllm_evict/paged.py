@@ -49,6 +49,12 @@ def slot_addresses(block_table: Tensor, width: int, page_size: int,
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def as_bytes(cache: Tensor) -> Tensor:
+    """A cache as what moving it copies: the bytes of a float8 cache (not every device's index kernels take
+    float8), any other tensor as it is."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
 def dequantize(x: Tensor, scale: Tensor | None) -> Tensor:
     """``x`` as it is without a scale, else fp32 ``x.float() * scale`` (``scale`` [] or [1]: broadcasts;
     stays on the device, no synchronisation)."""
@@ -73,7 +79,7 @@ def gather_tokens(cache: Tensor, block_table: Tensor, width: int) -> Tensor:
         pages, offsets = slot_addresses(block_table, width, page_size)
         return gather_slots(cache, pages, offsets)
     if cache.dtype in FP8_DTYPES:  # move fp8 as bytes: not every device's index kernels take float8
-        return gather_tokens(cache.view(torch.uint8), block_table, width).view(cache.dtype)
+        return gather_tokens(as_bytes(cache), block_table, width).view(cache.dtype)
     if block_table.shape[1] < count:  # the last page stands in for the missing ones
         block_table = block_table[:, torch.arange(count, device=block_table.device).clamp_max(block_table.shape[1] - 1)]
     got = cache.index_select(0, block_table[:, :count].reshape(-1))  # [R * count, H, bs, *rest]

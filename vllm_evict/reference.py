@@ -31,11 +31,11 @@ from torch import Tensor
 
 from vllm_evict.config import EvictionConfig
 from vllm_evict.evict_step import (
-    POSITION_DTYPE, LayerCache, Record, StepPlan, WindowStep, build_group, dequantized_tokens, evict_layer, movable,
+    POSITION_DTYPE, LayerCache, Record, StepPlan, WindowStep, build_group, dequantized_tokens, evict_layer,
     record_layer, record_step, ring_entries, state_initializers,
 )
 from vllm_evict.guards import check_kv_cache_dtype, fp8_storage_dtype
-from vllm_evict.paged import gather_tokens
+from vllm_evict.paged import as_bytes, gather_tokens
 from vllm_evict.policies.base import Phase, Policy
 from vllm_evict.schedule import eviction_target, phase_of, window_end
 
@@ -245,7 +245,7 @@ def _reference_attention(module: torch.nn.Module, query: Tensor, key: Tensor, va
     rec = run.plan.record
     for target, new, kv_scale in ((cache.k, k_new, cache.k_scale), (cache.v, v_new, cache.v_scale)):
         stored = new.transpose(0, 1) if kv_scale is None else (new.transpose(0, 1).float() / kv_scale)
-        movable(target)[rec.pages, :, rec.offsets] = movable(stored.to(target.dtype))
+        as_bytes(target)[rec.pages, :, rec.offsets] = as_bytes(stored.to(target.dtype))
     n = run.cached + m
     keys = dequantized_tokens(cache.k, run.block_table, n, cache.k_scale)[0]  # what the attention reads
     values = dequantized_tokens(cache.v, run.block_table, n, cache.v_scale)[0]

