@@ -1215,6 +1215,20 @@ def _cases() -> list[Any]:
     add("KVCacheManager.allocate_slots:hit_arguments", expect_params(
         f"{KV_MANAGER}.allocate_slots", "self", "request", "num_new_tokens", "num_new_computed_tokens",
         "new_computed_blocks", "num_lookahead_tokens", prefix=True))
+    # A prefix-cache hit stops before the first query an eviction window reads (EvictKVCacheManagerMixin.
+    # get_computed_blocks cuts vLLM's lookup: (blocks, tokens, ...) with the blocks per KV cache group).
+    add("KVCacheManager.get_computed_blocks", expect_params(f"{KV_MANAGER}.get_computed_blocks", "self", "request",
+                                                            prefix=True))
+    add("KVCacheManager.get_computed_blocks:blocks_then_tokens", expect_source(
+        f"{KV_MANAGER}.get_computed_blocks",
+        r"blocks = self\.create_kv_cache_blocks\(computed_blocks\)\s*return blocks, num_new_computed_tokens",
+        "get_computed_blocks no longer returns (KVCacheBlocks, hit tokens, ...)"))
+    add("KVCacheManager.create_kv_cache_blocks", expect_params(f"{KV_MANAGER}.create_kv_cache_blocks", "self",
+                                                               "blocks"))
+    add("KVCacheBlocks.blocks", expect_field("vllm.v1.core.kv_cache_manager.KVCacheBlocks", "blocks"))
+    add("Scheduler:local_hit_from_get_computed_blocks", expect_source(
+        SCHEDULER, r"self\.kv_cache_manager\.get_computed_blocks\(\s*request[,)]",
+        "the scheduler no longer looks up a request's prefix-cache hit through KVCacheManager.get_computed_blocks"))
     add("Scheduler:allocate_slots_hit_keywords", expect_source(
         SCHEDULER, r"num_new_computed_tokens=num_new_local_computed_tokens,\s*new_computed_blocks=new_computed_blocks",
         "the scheduler no longer passes a new request's prefix-cache hit to allocate_slots by keyword"))

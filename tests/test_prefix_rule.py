@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from vllm_evict.config import EvictionConfig
-from vllm_evict.schedule import changes_cached_tokens, eviction_target, phase_of, window_end, works_in_layers
+from vllm_evict.schedule import (changes_cached_tokens, eviction_target, phase_of, window_end, window_start,
+                                  works_in_layers)
 
 PAGE = 16
 SPECS = ["snapkv", "tova", "keydiff", "nacl", "streamingllm", "knorm", "random", "caote+snapkv",
@@ -92,3 +93,44 @@ def test_layer_work_is_never_missed_over_a_whole_request(spec: str) -> None:
             tokens, phys = tokens + num_new, keep if keep is not None else phys + num_new
     assert steps >= 5000
     assert early <= steps // 10, (early, steps)
+
+
+def window_queries(policy, config, *, tokens_before: int, num_new: int, prompt_len: int) -> int:
+    """Queries of a prompt step (nothing evicted before it) that the workers add to a window read later, not
+    in this step by an eviction of its own (those are the step's own queries, always computed)."""
+    phase = phase_of(tokens_before, num_new, prompt_len)
+    slack = config.slack_for(PAGE)
+    after = tokens_before + num_new
+    if eviction_target(phys_after=after, phase=phase, budget=config.budget, schedule=config.schedule,
+                       slack=slack) is not None:
+        return 0
+    if not policy.accumulates_window:
+        return 0
+    one = np.ones(1, dtype=np.int64)
+    end = window_end(cached_after=one * after, scheduled=one * num_new, logical_after=one * after,
+                     prompt=one * prompt_len, evicting=np.zeros(1, dtype=bool), budget=one * config.budget,
+                     slack=one * slack, one_shot=np.full(1, config.schedule == "oneshot"),
+                     at_prompt_end=np.full(1, policy.window_at_prompt_end),
+                     in_decode=np.full(1, policy.window_in_decode))
+    return int(end.recorded(one * after, one * num_new, policy.window_size(end.logical, end.kept))[0])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_prefix_hit_stops_before_every_query_a_window_reads(spec: str) -> None:
+    """``schedule.window_start`` (where a prefix-cache hit stops: vLLM does not recompute a cached token's
+    query): no prompt query before it joins a window the workers read later, and for the one-shot methods
+    with a window it is exact to within the widest window."""
+    recorded = 0
+    for config, policy, prompt_len, _ in cases(spec):
+        start = window_start(policy, config, prompt_len=prompt_len, page_size=PAGE)
+        if policy.needs_every_step:
+            assert start is None  # private from the start: it reads no cached prefix at all
+            continue
+        for position in range(prompt_len):
+            if window_queries(policy, config, tokens_before=position, num_new=1, prompt_len=prompt_len):
+                recorded += 1
+                assert start is not None and position >= start, (config, prompt_len, position, start)
+        if start is not None and config.schedule == "oneshot" and prompt_len > config.budget:
+            assert prompt_len - start <= policy.window_for(config.budget)
+    if spec in ("snapkv", "nacl", "caote+snapkv", "criticalkv+snapkv"):  # TOVA's one query is the evicting step's
+        assert recorded > 0

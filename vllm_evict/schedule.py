@@ -193,20 +193,31 @@ def changes_cached_tokens(policy: "Policy", config: "EvictionConfig", *, tokens_
         return True
     if not policy.accumulates_window:
         return False
-    width = policy.window_for(config.budget)
-    decode_end = config.budget + slack  # the first decode eviction, where a decode window ends
     if phase is Phase.DECODE:
-        return policy.window_in_decode and phys_after > decode_end - width
-    # A prompt step (nothing evicted before it, so physical = logical): its queries join a window that ends
-    # at the prompt's end (a one-shot eviction there, or a policy reading its window there), or, when the
-    # prompt ends without an eviction, at the first decode eviction. A chunked prompt's evictions read only
-    # their own step's queries (above).
+        decode_end = config.budget + slack  # the first decode eviction, where a decode window ends
+        return policy.window_in_decode and phys_after > decode_end - policy.window_for(config.budget)
+    # A prompt step (nothing evicted before it, so physical = logical). A chunked prompt's evictions read
+    # only their own step's queries (above).
+    start = window_start(policy, config, prompt_len=prompt_len, page_size=page_size)
+    return start is not None and phys_after > start
+
+
+def window_start(policy: "Policy", config: "EvictionConfig", *, prompt_len: int, page_size: int) -> int | None:
+    """The first prompt position whose query joins a window read after the prompt: one that ends at the
+    prompt's end (a one-shot eviction there, or a policy reading its window there) or, when the prompt
+    ends without an eviction, at the first decode eviction; None when no such window reads a prompt
+    query. Every query from here on must be computed by the request itself, so a prefix-cache hit stops
+    before it (``EvictKVCacheManagerMixin.get_computed_blocks``): a cached token's query is never
+    recomputed. The widest window (``Policy.window_for``), so it may start early, never late."""
+    if config.elastic or policy.needs_every_step or not policy.accumulates_window:
+        return None
+    width = policy.window_for(config.budget)
     ends = []
     if policy.window_at_prompt_end or (config.schedule == "oneshot" and prompt_len > config.budget):
         ends.append(prompt_len)
     if prompt_len <= config.budget and policy.window_in_decode:
-        ends.append(decode_end)
-    return any(phys_after > end - width for end in ends)
+        ends.append(config.budget + config.slack_for(page_size))  # the first decode eviction
+    return max(min(ends) - width, 0) if ends else None
 
 
 # ---- full CUDA graphs: the steps whose attention layers run eviction's per-layer work ---------------

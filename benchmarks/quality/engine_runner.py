@@ -21,6 +21,9 @@ the context), and each request's decode ``slack`` is set above what it generates
 nothing is evicted while decoding: the suite measures the prompt's compression, as kvpress and RULER do.
 The realised ratio is the request's own ``tokens_evicted`` over the span (its per-request stats,
 ``RequestOutput.kv_transfer_params["kv_eviction"]``).
+
+Prefix caching stays on: the one-shot configurations of a prompt share its prefill and keep what they
+keep alone; those that evict chunk by chunk skip the cache (``reads_prefix_cache``).
 """
 
 from __future__ import annotations
@@ -95,6 +98,28 @@ def check(request: Request) -> str | None:
     return None
 
 
+def reads_prefix_cache(extra_args: dict[str, Any]) -> bool:
+    """Whether a request may start from prompt pages another request of its batch computed (the suite's
+    engine keeps vLLM's prefix caching on, so the configurations of one prompt share its prefill): all
+    but those that evict chunk by chunk through the prompt, whose chunks would start at the hit's page
+    instead of token 0 and keep other tokens than the request alone. A one-shot method keeps exactly what
+    it keeps without prefix caching (docs/engine.md#prefix-caching; tests/quality/test_kept_tokens.py runs
+    the pinned cases this way); H2O, AhaKV and CriticalKV read no cached prefix anyway (the engine's rule)."""
+    from vllm_evict.request_settings import resolve_request_config
+
+    config = resolve_request_config(SERVER_EVICTION, {k: v for k, v in extra_args.items() if k != forced.KEY})
+    return config is None or config.schedule == "oneshot"
+
+
+def sampling_params(extra_args: dict[str, Any], *, max_tokens: int, ignore_eos: bool) -> Any:
+    """Greedy decoding with the request's eviction settings, reading the prefix cache where that keeps
+    the same tokens (``reads_prefix_cache``)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, extra_args=extra_args,
+                          skip_reading_prefix_cache=not reads_prefix_cache(extra_args))
+
+
 def make_llm(model: str, *, dtype: str, max_model_len: int, chunk: int, max_num_seqs: int, kv_bytes: int) -> Any:
     from vllm_evict.testing import use_offline_cpu_env
 
@@ -103,7 +128,7 @@ def make_llm(model: str, *, dtype: str, max_model_len: int, chunk: int, max_num_
 
     return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
                max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_bytes, seed=0,
-               enable_prefix_caching=False, additional_config={"kv_eviction": dict(SERVER_EVICTION)},
+               enable_prefix_caching=True, additional_config={"kv_eviction": dict(SERVER_EVICTION)},
                logits_processors=[forced.ForcedTokens])
 
 
@@ -132,7 +157,6 @@ def answer_text(tokenizer: Any, token_ids: Sequence[int], eos: set[int]) -> str:
 def run(llm: Any, requests: list[Request], eos: set[int], use_tqdm: bool = True) -> list[dict[str, Any]]:
     """Run ``requests`` in one ``generate`` call; one result record per request (refused ones included,
     with ``error``)."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     tokenizer = llm.get_tokenizer()
@@ -146,8 +170,7 @@ def run(llm: Any, requests: list[Request], eos: set[int], use_tqdm: bool = True)
             runnable.append(request)
     if not runnable:
         return records
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=r.forced > 0,
-                             extra_args=r.extra_args) for r in runnable]
+    params = [sampling_params(r.extra_args, max_tokens=r.max_tokens, ignore_eos=r.forced > 0) for r in runnable]
     start = time.monotonic()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in runnable], params, use_tqdm=use_tqdm)
     seconds = time.monotonic() - start

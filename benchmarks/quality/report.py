@@ -24,6 +24,7 @@ class Table:
 
     def __init__(self, records: Iterable[dict[str, Any]]) -> None:
         self.scores: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.samples: dict[tuple, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
         self.realised: dict[tuple, list[float]] = defaultdict(list)
         self.errors: dict[tuple, str] = {}
         for r in records:
@@ -32,6 +33,7 @@ class Table:
                 self.errors[key] = r["error"]
                 continue
             self.scores[key][r["task"]].append(float(r["score"]))
+            self.samples[key][int(r.get("index", 0))][r["task"]] = float(r["score"])
             if r.get("realised_ratio") is not None:
                 self.realised[key].append(float(r["realised_ratio"]))
 
@@ -46,6 +48,16 @@ class Table:
             return None
         per_task = [sum(self.scores[key][t]) / len(self.scores[key][t]) for t in tasks]
         return 100.0 * sum(per_task) / len(per_task)
+
+    def spread(self, key: tuple, tasks: Sequence[str]) -> tuple[float, int] | None:
+        """(standard deviation, count) over sample indices of the score of one sample index (the mean over
+        ``tasks`` of that index's sample of each task), over the indices every task has; None without two."""
+        per_sample = [100.0 * sum(by_task[t] for t in tasks) / len(tasks)
+                      for by_task in self.samples.get(key, {}).values() if tasks and all(t in by_task for t in tasks)]
+        if len(per_sample) < 2:
+            return None
+        mean = sum(per_sample) / len(per_sample)
+        return (sum((x - mean) ** 2 for x in per_sample) / (len(per_sample) - 1)) ** 0.5, len(per_sample)
 
     def task_score(self, key: tuple, task: str) -> float | None:
         values = self.scores.get(key, {}).get(task)
@@ -85,17 +97,35 @@ def method_table(table: Table, backend: str, setting: str) -> tuple[str, list[st
     for name in names:
         if name == "full":
             continue
-        cells = [table.score((backend, setting, name, r), tasks) for r in ratios]
+        keys_of = [(backend, setting, name, r) for r in ratios]
+        cells = [table.score(k, tasks) for k in keys_of]
         mean = sum(c for c in cells if c is not None) / len(cells) if all(c is not None for c in cells) else None
-        rows.append((mean if mean is not None else -1.0, name, cells))
+        rows.append((mean if mean is not None else -1.0, name, [_with_spread(table, k, tasks) for k in keys_of]))
     rows.sort(key=lambda row: -row[0])
-    full = table.score((backend, setting, "full", 0.0), tasks)
+    full = _with_spread(table, (backend, setting, "full", 0.0), tasks)
     header = "| method | " + " | ".join(f"ratio {r:g}" for r in ratios) + " | mean |\n"
     header += "|---|" + "---|" * (len(ratios) + 1) + "\n"
-    lines = [f"| full cache | " + " | ".join(_fmt(full) for _ in ratios) + f" | {_fmt(full)} |"]
+    lines = [f"| full cache | " + " | ".join(full for _ in ratios) + f" | {full.split(' ')[0]} |"]
     for mean, name, cells in rows:
-        lines.append(f"| {name} | " + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(mean if mean >= 0 else None)} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(mean if mean >= 0 else None)} |")
     return header + "\n".join(lines) + "\n", tasks
+
+
+def _with_spread(table: Table, key: tuple, tasks: Sequence[str]) -> str:
+    """"score ±sd (n)": the standard deviation over the n sample indices every task has (score alone below 2)."""
+    score = table.score(key, tasks)
+    spread = table.spread(key, tasks)
+    if score is None or spread is None:
+        return _fmt(score)
+    return f"{score:.1f} ±{spread[0]:.1f} ({spread[1]})"
+
+
+def verdict(holds: bool, *sides: float) -> str:
+    """A claim on these numbers: "holds", "fails", or "not measurable on this model" when every side scores
+    0 (a comparison of two zeros says nothing about the claim)."""
+    if all(side == 0 for side in sides):
+        return "not measurable on this model (both sides 0)"
+    return "holds" if holds else "fails"
 
 
 def task_table(table: Table, backend: str, setting: str, ratio: float) -> str:
@@ -171,7 +201,7 @@ def side_by_side(table: Table, setting: str) -> str:
     tasks = table.tasks(present)
     header = (f"Tasks: {', '.join(tasks) or 'none in common'}.\n\n"
               "| kvpress press | engine method | " + " | ".join(f"{r:g}: kvpress / engine (diff)" for r in ratios)
-              + " | max abs diff |\n|---|---|" + "---|" * (len(ratios) + 1) + "\n")
+              + " | max abs diff | within 2 points |\n|---|---|" + "---|" * (len(ratios) + 2) + "\n")
     lines = []
     for press, twin in pairs:
         cells, diffs = [], []
@@ -183,7 +213,9 @@ def side_by_side(table: Table, setting: str) -> str:
             diffs.append(abs(b - a))
             cells.append(f"{a:.1f} / {b:.1f} ({b - a:+.1f})")
         if any(cells):
-            lines.append(f"| {press} | {twin} | " + " | ".join(cells) + f" | {_fmt(max(diffs) if diffs else None)} |")
+            worst = max(diffs) if diffs else None
+            within = "" if worst is None else ("yes" if worst <= 2.0 else "no")
+            lines.append(f"| {press} | {twin} | " + " | ".join(cells) + f" | {_fmt(worst)} | {within} |")
     return header + "\n".join(lines) + "\n"
 
 
@@ -219,7 +251,7 @@ def claims(table: Table) -> str:
                 tasks = table.tasks(keys)
                 a, b = s(setting, better, r, tasks), s(setting, base, r, tasks)
                 if a is not None and b is not None:
-                    rows.append(f"{r:g}: {a:.1f} vs {b:.1f} {'ok' if a >= b else 'NOT'}")
+                    rows.append(f"{r:g}: {a:.1f} vs {b:.1f} {verdict(a >= b, a, b)}")
             if rows:
                 out.append(f"* {setting}: {better} >= {base}: " + "; ".join(rows))
         top = max(ratios)
@@ -227,14 +259,14 @@ def claims(table: Table) -> str:
         a, b = s(setting, "ahakv", top, tasks), s(setting, "snapkv", top, tasks)
         if a is not None and b is not None:
             out.append(f"* {setting}: ahakv >= snapkv at the smallest budget (ratio {top:g}): {a:.1f} vs {b:.1f} "
-                       f"{'ok' if a >= b else 'NOT'}")
+                       f"{verdict(a >= b, a, b)}")
         if 0.75 in ratios and setting == "aware":
             for name in ("nacl", "nacl:proxy=question"):
                 tasks = table.tasks([("engine", setting, name, 0.75), ("engine", setting, "full", 0.0)])
                 a, f = s(setting, name, 0.75, tasks), s(setting, "full", 0.0, tasks)
-                if a is not None and f:
+                if a is not None and f is not None:
                     out.append(f"* {setting}: {name} >= 90% of the full cache at ratio 0.75: {a:.1f} vs "
-                               f"0.9 x {f:.1f} = {0.9 * f:.1f} {'ok' if a >= 0.9 * f else 'NOT'}")
+                               f"0.9 x {f:.1f} = {0.9 * f:.1f} {verdict(a >= 0.9 * f, a, f)}")
         if 0.5 in ratios:
             names = [n for n in table.methods("engine", setting) if n != "full"]
             keys = [("engine", setting, n, 0.5) for n in names] + [("engine", setting, "full", 0.0)]
@@ -245,7 +277,7 @@ def claims(table: Table) -> str:
             if scored and f is not None:
                 best, name = max(scored)
                 out.append(f"* {setting}: best method at ratio 0.5 within 5 points of the full cache: {name} "
-                           f"{best:.1f} vs {f:.1f} {'ok' if best >= f - 5 else 'NOT'}")
+                           f"{best:.1f} vs {f:.1f} {verdict(best >= f - 5, best, f)}")
     return "\n".join(out) + "\n"
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.helpers import greedy, token_prompt
+from tests.engine.helpers import chosen_logprobs, greedy, token_prompt
 from tests.engine.test_stats import delta, settle, snapshot
 from vllm_evict.metrics import Metric
 
@@ -42,8 +42,9 @@ def run(engine: Any, prompts: list[dict], *, one_by_one: bool) -> tuple[list[lis
 # five shared pages. KeyDiff evicts block-wise in prefill, first after 128 tokens (64-token chunks, budget 96):
 # the first request hashed four shared pages, the second computes the fifth (and hashes it before its first
 # eviction, in that step), the third finds five. H2O's state starts from every query since a token arrived:
-# it reads no prefix.
-HITS = {"snapkv": [0, 160, 160], "keydiff": [0, 128, 160], "h2o": [0, 0, 0]}
+# it reads no prefix, nor does CriticalKV, whose ||v W_O||_1 of a token only a CriticalKV request computes.
+HITS = {"snapkv": [0, 160, 160], "keydiff": [0, 128, 160], "h2o": [0, 0, 0], "criticalkv+snapkv": [0, 0, 0]}
+PRIVATE = {"h2o", "criticalkv+snapkv"}
 
 
 @pytest.mark.parametrize("policy", sorted(HITS))
@@ -58,11 +59,62 @@ def test_shared_prefix_keeps_what_eviction_keeps_without_prefix_caching(engine_f
         assert tokens == expected[i]
         if one_by_one:
             assert hits == HITS[policy]
-        elif policy != "h2o":  # together, after the cache holds the prefix: every request finds it
+        elif policy not in PRIVATE:  # together, after the cache holds the prefix: every request finds it
             assert min(hits) >= 128
     assert_pool_back(on)
-    if policy != "h2o":
+    if policy not in PRIVATE:
         assert sharing(on).copied_pages > 0
+
+
+def run_logprobs(engine: Any, prompts: list[tuple[dict, str]]) -> tuple[list[float], list[int]]:
+    """One request after another, each with its own method (``kv_eviction``): the chosen logprobs of all
+    (one list) and each one's prefix-cache hit tokens."""
+    outputs = [engine.llm.generate([p], greedy(GENERATED, kv_eviction=m), use_tqdm=False)[0] for p, m in prompts]
+    return [x for o in outputs for x in chosen_logprobs(o)], [o.num_cached_tokens or 0 for o in outputs]
+
+
+# The same prompt again: vLLM would hand the second request every full page (256 of 260 tokens), but a
+# cached token's query is not recomputed, and SnapKV's window reads the last 32 queries of the prompt:
+# the hit stops at the page before the window (224). TOVA reads the last query only: 256.
+REPEAT_HITS = {"snapkv": 224, "tova": 256}
+
+
+@pytest.mark.parametrize("policy", sorted(REPEAT_HITS))
+def test_a_repeated_prompt_computes_the_queries_its_window_reads(engine_factory: Any, tiny_llama: str,
+                                                                 policy: str) -> None:
+    eviction = {"policy": policy, "budget": 96}
+    twice = [(PROMPTS[0], policy)] * 2
+    expected, _ = run_logprobs(engine_factory(tiny_llama, eviction, enable_prefix_caching=False), twice)
+    logprobs, hits = run_logprobs(engine_factory(tiny_llama, eviction, enable_prefix_caching=True), twice)
+    assert hits == [0, REPEAT_HITS[policy]]
+    assert logprobs == pytest.approx(expected, abs=1e-5)
+
+
+def test_pages_a_request_without_eviction_computed_read_as_its_own(engine_factory: Any, tiny_llama: str) -> None:
+    """A request without eviction writes its tokens' positions and zeroes their states too: TOVA (which
+    matches the layer's heads by position) and SnapKV (which adds its window's mass to a state) finding
+    its pages keep what they keep without prefix caching, in a pool an evicting request has dirtied (its
+    window mass and compacted positions left in the pages it freed)."""
+    eviction = {"policy": "snapkv", "budget": 96, "request_policies": ["snapkv", "tova"]}
+    dirty = token_prompt(300, offset=90)
+    order = [(dirty, "snapkv"), (dirty, "snapkv"), (PROMPTS[0], "none"), (PROMPTS[1], "tova"), (PROMPTS[2], "snapkv")]
+    expected, _ = run_logprobs(engine_factory(tiny_llama, eviction, enable_prefix_caching=False, pages=24,
+                                              max_model_len=512), order)
+    on = engine_factory(tiny_llama, eviction, enable_prefix_caching=True, pages=24, max_model_len=512)
+    logprobs, hits = run_logprobs(on, order)
+    assert hits[2:] == [0, 160, 160]
+    assert logprobs == pytest.approx(expected, abs=1e-5)
+    # What every page vLLM may hand out holds: each KV head's positions are its page's logical ones, and
+    # every state is 0 (nothing was added to a hashed page).
+    pool, buffers, page = on.scheduler.kv_cache_manager.block_pool, on.runner.evict_buffers, 32
+    hashed = [b.block_id for b in pool.blocks if not b.is_null and b.block_hash is not None]
+    assert len(hashed) >= 5
+    for block_id in hashed:
+        positions = buffers.positions[:, block_id].long()  # [L, H, page]
+        first = positions[..., :1]
+        assert torch.equal(positions, first + torch.arange(page)) and bool((first % page == 0).all())
+        for name, state in buffers.states.items():
+            assert not state[:, block_id].any(), f"hashed page {block_id} holds {name}"
 
 
 def test_no_eviction_is_vanilla_with_prefix_caching(engine_factory: Any, tiny_llama: str) -> None:

@@ -50,22 +50,46 @@ def cases(llm) -> dict[str, G.Case]:
 
 
 @pytest.fixture(scope="module")
-def engine_kept(llm, cases) -> dict[str, list[Tensor]]:
-    """Case key -> what the engine kept, per layer [H_kv, budget] positions."""
-    from vllm import SamplingParams
-
+def engine_run(llm, cases) -> tuple[dict[str, list[Tensor]], dict[str, int]]:
+    """Case key -> what the engine kept, per layer [H_kv, budget] positions; case key -> its prefix-cache hit
+    tokens."""
+    from benchmarks.quality.engine_runner import sampling_params
     from vllm_evict.engine.debug import kept_by_global_head, start_recording
 
     llm.collective_rpc(start_recording)
-    names = {}
+    names, hits = {}, {}
     for name, case in cases.items():
         # One request at a time: alone on the engine its prompt is prefilled in chunks of CHUNK tokens, as
-        # the reference prefills it (a batch would split chunks where its neighbours end).
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=case.extra_args)
+        # the reference prefills it (a batch would split chunks where its neighbours end). As in the suite,
+        # one-shot methods find the prompt's pages in the prefix cache after its first request (only the
+        # window's queries are computed again): what they keep is pinned all the same.
+        params = sampling_params(case.extra_args, max_tokens=1, ignore_eos=True)
         (output,) = llm.generate([{"prompt_token_ids": case.prompt_ids}], params, use_tqdm=False)
         names[output.request_id] = name
+        hits[name] = output.num_cached_tokens or 0
     (rank,) = llm.collective_rpc(kept_by_global_head)
-    return {names[external_id(rid)]: layers for rid, layers in rank.kept.items() if external_id(rid) in names}
+    kept = {names[external_id(rid)]: layers for rid, layers in rank.kept.items() if external_id(rid) in names}
+    return kept, hits
+
+
+@pytest.fixture(scope="module")
+def engine_kept(engine_run) -> dict[str, list[Tensor]]:
+    return engine_run[0]
+
+
+def test_one_shot_methods_start_from_the_cached_prompt(engine_run, cases):
+    """The pinned cases run as the suite runs them: each one-shot method after the first finds the prompt's
+    pages in the prefix cache, up to its window; chunked ones and those the engine keeps private find none."""
+    from benchmarks.quality.engine_runner import reads_prefix_cache
+
+    hits = engine_run[1]
+    private = {"h2o", "ahakv", "criticalkv+snapkv", "caote+h2o", "fastcaote+h2o", "h2o:kvpress"}
+    for prompt in G.PROMPTS:
+        names = [n for n, case in cases.items() if case.prompt == prompt]
+        sharing = [n for n in names if reads_prefix_cache(cases[n].extra_args) and cases[n].method not in private]
+        assert len(sharing) >= 10, sharing
+        assert all(hits[n] > 0 for n in sharing[1:]), {n: hits[n] for n in sharing}
+        assert all(hits[n] == 0 for n in names if n not in sharing), {n: hits[n] for n in names}
 
 
 @pytest.fixture(scope="module")

@@ -199,7 +199,7 @@ def test_side_by_side_scores_every_row_over_the_same_tasks():
     rows += [record(backend="kvpress", method="snapkv", task="passkey"), record(method="snapkv", task="passkey")]
     text = report.side_by_side(report.Table(rows), "aware")
     assert text.startswith("Tasks: passkey.\n")
-    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 |" in text  # not 50.0 over passkey and vt
+    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 | yes |" in text  # not 50.0 over passkey and vt
 
 
 def test_side_by_side_and_claims_read_the_right_rows():
@@ -208,12 +208,31 @@ def test_side_by_side_and_claims_read_the_right_rows():
             record(method="caote+snapkv", score=1.0), record(method="criticalkv+snapkv", score=0.0)]
     table = report.Table(rows)
     text = report.side_by_side(table, "aware")
-    assert "| snapkv | snapkv | 100.0 / 0.0 (-100.0) | 100.0 |" in text
-    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 |" in text
+    assert "| snapkv | snapkv | 100.0 / 0.0 (-100.0) | 100.0 | no |" in text
+    assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 | yes |" in text
     claims = report.claims(table)
-    assert "aware: caote+snapkv >= snapkv: 0.5: 100.0 vs 0.0 ok" in claims
-    assert "aware: criticalkv+snapkv >= snapkv: 0.5: 0.0 vs 0.0 ok" in claims
-    assert "best method at ratio 0.5 within 5 points of the full cache: caote+snapkv 100.0 vs 100.0 ok" in claims
+    assert "aware: caote+snapkv >= snapkv: 0.5: 100.0 vs 0.0 holds" in claims
+    # two zeros say nothing: never "holds"
+    assert "aware: criticalkv+snapkv >= snapkv: 0.5: 0.0 vs 0.0 not measurable on this model (both sides 0)" in claims
+    assert "best method at ratio 0.5 within 5 points of the full cache: caote+snapkv 100.0 vs 100.0 holds" in claims
+    worse = report.claims(report.Table(rows + [record(method="fastcaote+snapkv", score=0.0),
+                                               record(method="snapkv", task="vt", score=1.0),
+                                               record(method="fastcaote+snapkv", task="vt", score=0.0)]))
+    assert "aware: fastcaote+snapkv >= snapkv: 0.5: 0.0 vs 50.0 fails" in worse
+
+
+def test_method_table_gives_each_score_its_spread_over_samples():
+    """Per cell: the mean over tasks, then its standard deviation over the sample indices every task has."""
+    rows = [record(task=t, index=i, score=s) for t, scores in (("passkey", (1.0, 0.0, 1.0)), ("vt", (1.0, 1.0, 0.0)))
+            for i, s in enumerate(scores)]
+    rows += [record(method="full", ratio=0.0, task=t, index=i) for t in ("passkey", "vt") for i in range(3)]
+    text, tasks = report.method_table(report.Table(rows), "engine", "aware")
+    assert tasks == ["passkey", "vt"]
+    # per sample: (100 + 100) / 2, (0 + 100) / 2, (100 + 0) / 2 = 100, 50, 50: mean 66.7, sd 28.9
+    assert "| snapkv | 66.7 ±28.9 (3) | 66.7 |" in text
+    assert "| full cache | 100.0 ±0.0 (3) | 100.0 |" in text
+    one = report.Table([record(task="passkey")])
+    assert one.spread(("engine", "aware", "snapkv", 0.5), ["passkey"]) is None
 
 
 def test_readings_table_means_each_ratio_over_the_tasks_every_reading_has():

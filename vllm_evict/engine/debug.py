@@ -66,7 +66,8 @@ def kept_by_global_head(worker: Any) -> RankKept:
     rows = runner.evict_rows
     for request_id, row in runner.evict_view.held_rows().items():
         if request_id not in kept and rows.policy[row] >= 0:
-            kept[request_id] = runner.kept_positions(request_id)
+            # its pages copied in the last step (prefix caching) reach the block table with the next one
+            kept[request_id] = runner.kept_positions(request_id, runner.evict_relocations.get(request_id))
     tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     total = runner.model_config.get_total_num_kv_heads()
     local = runner.model_config.get_num_kv_heads(runner.parallel_config)

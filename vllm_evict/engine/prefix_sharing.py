@@ -26,7 +26,13 @@ becomes *private*:
 Requests whose every step writes into cached state (elastic mode, policies with ``needs_every_step``:
 H2O, AhaKV) are private from their first step and read no cached prefix: the per-token state they keep
 for a token is accumulated from every query since the token arrived, which a page computed by another
-request does not carry.
+request does not carry. So are requests whose method computes a state from each token's K/V as it enters
+(``computed_state``: CriticalKV's ||v W_O||_1), which a request of another method does not compute.
+
+What a page found in the cache carries besides K and V: every step writes its tokens' positions and
+zeroes their states, with or without eviction (``StepBuilder._record_slots``), so a hit reads what the
+request would have written itself. A cached token's query is not recomputed, so a hit stops before the
+first query a window read after the prompt needs (``hit_limit``, ``schedule.window_start``).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.request import Request
 
-from vllm_evict.schedule import changes_cached_tokens
+from vllm_evict.schedule import changes_cached_tokens, window_start
 
 if TYPE_CHECKING:
     from vllm_evict.config import EvictionConfig
@@ -73,7 +79,18 @@ class PrefixSharing:
     # ---- per request --------------------------------------------------------------------------
     def private_from_start(self, config: "EvictionConfig") -> bool:
         policy = self.scheduler.window_pages.policy_for(config)
-        return config.elastic or policy.needs_every_step
+        return config.elastic or policy.needs_every_step or bool(policy.computed_state)
+
+    def hit_limit(self, request: Request) -> int | None:
+        """The most prefix tokens the request may take from the cache (None: no limit): its hit stops before
+        the first query a window read after the prompt needs (``schedule.window_start``), since vLLM does
+        not recompute a cached token's query."""
+        config = self.scheduler.config_of(request.request_id)
+        if config is None:
+            return None
+        policy = self.scheduler.window_pages.policy_for(config)
+        start = window_start(policy, config, prompt_len=request.num_prompt_tokens, page_size=self.scheduler.page_size)
+        return None if start is None else start // self.scheduler.page_size * self.scheduler.page_size
 
     def admit(self, request: Request, config: "EvictionConfig | None") -> None:
         """At ``add_request``: a request whose state cannot start from another request's pages neither

@@ -332,10 +332,10 @@ class EvictRunnerMixin:
         rows, view = self.evict_rows, self.evict_view
         page_size = self.evict_buffers.geometry.page_size
         gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        for request_id, pages in self.evict_relocations.items():  # copies of shared pages (prefix caching)
+        relocated, self.evict_relocations = self.evict_relocations, {}
+        for request_id, pages in relocated.items():  # copies of shared pages (prefix caching)
             if request_id not in gone:  # also a V1 request left out of this step: its block ids
                 view.set_pages(request_id, view.row_of(request_id), pages)
-        self.evict_relocations = {}
         for compaction in self.evict_compactions:
             row = view.row_of(compaction.request_id)
             if row is None:
@@ -347,8 +347,8 @@ class EvictRunnerMixin:
         self.evict_compactions = []
         if self.evict_kept_record is not None:
             for request_id in scheduler_output.finished_req_ids:
-                if view.row_of(request_id) is not None:
-                    self.evict_kept_record[request_id] = self.kept_positions(request_id)
+                if view.row_of(request_id) is not None:  # one that finished as it copied reads the copies
+                    self.evict_kept_record[request_id] = self.kept_positions(request_id, relocated.get(request_id))
 
     def _build_step(self, plan: EvictionPlan | None, num_scheduled_tokens: np.ndarray) -> None:
         """Once vLLM has prepared this step's inputs: physical lengths, and the plan every layer runs."""
@@ -365,8 +365,9 @@ class EvictRunnerMixin:
         self.evict_relocations = step.relocations if step is not None else {}
         self.evict_step = step
 
-    def kept_positions(self, request_id: str) -> list[Tensor]:
-        """Logical positions cached for a request, per layer [H_kv, n] in slot order (tests, debugging)."""
+    def kept_positions(self, request_id: str, page_list: list[int] | None = None) -> list[Tensor]:
+        """Logical positions cached for a request, per layer [H_kv, n] in slot order (tests, debugging);
+        ``page_list``: its pages, where the block table does not hold them (yet)."""
         view = self.evict_view
         row = view.row_of(request_id)
         if row is None:
@@ -375,7 +376,10 @@ class EvictRunnerMixin:
         # A compaction of the last step reaches the rows with the next step: until then its length is this.
         length = next((c.keep for c in self.evict_compactions if c.request_id == request_id), length)
         pages = max(1, -(-length // self.evict_buffers.geometry.page_size))
-        table = view.page_table([request_id], pages, self.evict_builder.staging.to_device)
+        if page_list is None:
+            table = view.page_table([request_id], pages, self.evict_builder.staging.to_device)
+        else:
+            table = torch.tensor([page_list[:pages]], dtype=torch.int32, device=self.evict_buffers.geometry.device)
         return [gather_tokens(cache.positions, table, length)[0].long().clone() for cache in self.evict_layers]
 
     # ---- per layer ----------------------------------------------------------------------------

@@ -376,6 +376,18 @@ class EvictKVCacheManagerMixin:
                 sharing.privatize(request, self)
         return result
 
+    def get_computed_blocks(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's prefix-cache lookup, cut at the request's ``PrefixSharing.hit_limit`` (whole pages): the
+        (blocks, tokens, ...) tuple vLLM returns, with fewer blocks and tokens."""
+        result = super().get_computed_blocks(request, *args, **kwargs)  # type: ignore[misc]
+        blocks, hits = result[0], result[1]
+        limit = self.eviction.sharing.hit_limit(request) if hits else None
+        if limit is None or hits <= limit:
+            return result
+        pages = limit // self.eviction.page_size
+        kept = self.create_kv_cache_blocks(tuple(list(group[:pages]) for group in blocks.blocks))  # type: ignore[attr-defined]
+        return (kept, pages * self.eviction.page_size, *result[2:])
+
     def cache_blocks(self, request: Request, *args: Any, **kwargs: Any) -> None:
         if self.eviction.sharing.hashes(request.request_id):
             super().cache_blocks(request, *args, **kwargs)  # type: ignore[misc]

@@ -162,9 +162,11 @@ class StepBuilder:
             compactions.append(Compaction(request_id, int(computed[row] + scheduled[row]), kept))
 
         present = sorted(set(policy_index[policy_index >= 0].tolist()))
-        if not present:  # no request in the batch has eviction on: nothing to record, nothing to time
+        if not present:  # no request in the batch has eviction on: nothing to time, only the slots' record
+            self._record_slots(view, num_tokens)
             return None
-        initializers, zero_states = state_initializers([policies[i] for i in present])
+        initializers, _ = state_initializers([policies[i] for i in present])
+        zero_states = self._zeroed_states(initializers)
         prompt = view.prompt
         windows = self._windows(table_rows, present, policy_index, computed, scheduled, cached_after, prompt, keep)
 
@@ -190,6 +192,23 @@ class StepBuilder:
                 rows_by_id.update({view.req_ids[r]: int(r) for r in rows})
         return BuiltStep(plan=step, initializers=initializers, num_tokens=num_tokens, compactions=compactions,
                          rows=rows_by_id, relocations=dict(plan.pages))
+
+    def _zeroed_states(self, initializers: list[Policy]) -> tuple[str, ...]:
+        """Every state buffer the step's tokens start at 0 in: all but those ``initializers`` compute. A
+        page may reach a request of another method through the prefix cache, so each new token's slot
+        gets every state, not only those of the methods in this step (engine/prefix_sharing.py)."""
+        computed = {name for policy in initializers for name in policy.computed_state}
+        return tuple(name for name in self.buffers.states if name not in computed)
+
+    def _record_slots(self, view: RunnerView, num_tokens: int) -> None:
+        """A step without eviction still writes its tokens' positions and zero states: a later request
+        with eviction may find these pages in the prefix cache and reads both (one write per buffer for
+        all layers)."""
+        slots = view.slot_mapping(num_tokens)
+        record = Record(pages=slots // self.page_size, offsets=slots % self.page_size,
+                        positions=view.positions(num_tokens).to(torch.int32), ring_index=None)
+        record_step(self.buffers.positions, self.buffers.states,
+                    StepPlan(record=record, groups=[], ring_positions=None, zero_states=self._zeroed_states([])))
 
     def _copies(self, plan: EvictionPlan) -> tuple[Tensor, Tensor] | None:
         """The step's page copies (prefix caching, engine/prefix_sharing.py) as two device index tensors."""
