@@ -89,6 +89,8 @@ V2_TESTS := tests/engine/test_reference_agreement.py tests/engine/test_mixed_bat
             tests/server/test_metrics.py::test_every_eviction_metric_is_exposed_in_vllms_conventions \
             tests/server/test_metrics.py::test_a_request_adds_exactly_what_it_evicted \
             tests/engine/test_prefix_caching.py::test_no_hashed_page_is_written \
+            tests/engine/test_prefix_caching.py::test_pages_a_request_without_eviction_computed_read_as_its_own \
+            "tests/engine/test_prefix_caching.py::test_a_repeated_prompt_computes_the_queries_its_window_reads[snapkv]" \
             "tests/engine/test_full_graphs.py::test_full_graphs_are_kept_out_exactly_on_steps_with_layer_work[snapkv]"
 
 test: install models
