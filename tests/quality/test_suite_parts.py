@@ -221,6 +221,22 @@ def test_side_by_side_and_claims_read_the_right_rows():
     assert "aware: fastcaote+snapkv >= snapkv: 0.5: 0.0 vs 50.0 fails" in worse
 
 
+def test_side_by_side_says_why_random_draws_differ_and_claims_check_the_ahakv_bar():
+    rows = [record(backend="kvpress", method="random", score=1.0), record(method="random:oneshot", score=0.0),
+            record(backend="kvpress", method="snapkv", ratio=0.875, score=1.0)]
+    rows += [record(method="snapkv", ratio=0.875, task=t, score=1.0) for t in ("passkey", "vt")]
+    rows += [record(method="ahakv", ratio=0.875, task="passkey", score=1.0),
+             record(method="ahakv", ratio=0.875, task="vt", score=0.875)]
+    table = report.Table(rows)
+    assert ("| random | random:oneshot | 100.0 / 0.0 (-100.0) |  | 100.0 | no: another random draw (kvpress: "
+            "torch.rand, seed 0; engine: a hash of seed, layer, head, position) |") in report.side_by_side(table, "aware")
+    claims = report.claims(table)
+    assert "aware: ahakv >= snapkv at the smallest budget (ratio 0.875): 93.8 vs 100.0 fails" in claims
+    assert "aware: ahakv >= snapkv - 5 points at ratio 0.875 (this project's bar): 93.8 vs 100.0 - 5 = 95.0 fails" in claims
+    close = report.claims(report.Table(rows[:-1] + [record(method="ahakv", ratio=0.875, task="vt", score=0.95)]))
+    assert "(this project's bar): 97.5 vs 100.0 - 5 = 95.0 holds" in close
+
+
 def test_method_table_gives_each_score_its_spread_over_samples():
     """Per cell: the mean over tasks, then its standard deviation over the sample indices every task has."""
     rows = [record(task=t, index=i, score=s) for t, scores in (("passkey", (1.0, 0.0, 1.0)), ("vt", (1.0, 1.0, 0.0)))
