@@ -237,6 +237,9 @@ def realised_table(table: Table, backend: str, setting: str) -> str:
     return header + "\n".join(lines) + "\n"
 
 
+BAR_RATIO = 0.875  # where issue #30 asks AhaKV to be within 5 points of SnapKV
+
+
 def claims(table: Table) -> str:
     """The papers' claims checked on the engine's numbers (query-aware unless stated)."""
     out = []
@@ -266,8 +269,11 @@ def claims(table: Table) -> str:
         if a is not None and b is not None:
             out.append(f"* {setting}: ahakv >= snapkv at the smallest budget (ratio {top:g}): {a:.1f} vs {b:.1f} "
                        f"{verdict(a >= b, a, b)}")
-            if setting == "aware":  # issue #30's bar for this project's AhaKV
-                out.append(f"* {setting}: ahakv >= snapkv - 5 points at ratio {top:g} (this project's bar): "
+        if BAR_RATIO in ratios and setting == "aware":  # issue #30's bar for this project's AhaKV
+            tasks = table.tasks([("engine", setting, "ahakv", BAR_RATIO), ("engine", setting, "snapkv", BAR_RATIO)])
+            a, b = s(setting, "ahakv", BAR_RATIO, tasks), s(setting, "snapkv", BAR_RATIO, tasks)
+            if a is not None and b is not None:
+                out.append(f"* {setting}: ahakv >= snapkv - 5 points at ratio {BAR_RATIO:g} (this project's bar): "
                            f"{a:.1f} vs {b:.1f} - 5 = {b - 5:.1f} {verdict(a >= b - 5, a, b)}")
         if 0.75 in ratios and setting == "aware":
             for name in ("nacl", "nacl:proxy=question"):
