@@ -24,18 +24,30 @@ class Table:
 
     def __init__(self, records: Iterable[dict[str, Any]]) -> None:
         self.scores: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        self.samples: dict[tuple, dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+        # key -> sample (task seed, index) -> task -> score: one score per sample, however many files hold it
+        self.samples: dict[tuple, dict[tuple[int, int], dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
         self.realised: dict[tuple, list[float]] = defaultdict(list)
         self.errors: dict[tuple, str] = {}
+        self.conflicts: list[tuple] = []  # (key, task, sample) recorded twice with different scores
+        realised: dict[tuple, float] = {}
         for r in records:
             key = (r["backend"], r["setting"], r["method"], r["ratio"])
             if r.get("error"):
                 self.errors[key] = r["error"]
                 continue
-            self.scores[key][r["task"]].append(float(r["score"]))
-            self.samples[key][int(r.get("index", 0))][r["task"]] = float(r["score"])
+            sample = (int(r.get("seed", 0)), int(r.get("index", 0)))
+            by_task = self.samples[key][sample]
+            if r["task"] in by_task and by_task[r["task"]] != float(r["score"]):
+                self.conflicts.append((key, r["task"], sample))
+            by_task[r["task"]] = float(r["score"])  # the later record wins
             if r.get("realised_ratio") is not None:
-                self.realised[key].append(float(r["realised_ratio"]))
+                realised[(key, r["task"], sample)] = float(r["realised_ratio"])
+        for key, by_sample in self.samples.items():
+            for by_task in by_sample.values():
+                for task, score in by_task.items():
+                    self.scores[key][task].append(score)
+        for (key, _, _), value in realised.items():
+            self.realised[key].append(value)
 
     def tasks(self, keys: Sequence[tuple]) -> list[str]:
         """Tasks every key has results for, in suite order."""
@@ -419,6 +431,10 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
     for setting in ("aware", "agnostic"):
         if table.ratios("engine", setting):
             parts.append(f"### realised compression ratio, engine, {setting}\n\n{realised_table(table, 'engine', setting)}")
+    if table.conflicts:
+        parts.append("### samples recorded twice with different scores (the later file's score is used)\n\n" + "\n".join(
+            f"* {k[0]} {k[1]} {k[2]} ratio {k[3]:g}, {task}, seed {seed} sample {index}"
+            for k, task, (seed, index) in table.conflicts) + "\n")
     if table.errors:
         parts.append("### refused configurations\n\n" + "\n".join(
             f"* {k[1]} {k[2]} ratio {k[3]:g}: {v}" for k, v in sorted(table.errors.items())) + "\n")

@@ -192,6 +192,20 @@ def test_report_scores_average_tasks_equally_over_common_tasks():
     assert errors.errors and not errors.scores
 
 
+def test_a_sample_in_two_results_files_counts_once():
+    """Two runs that share a (method, ratio, task, sample), e.g. a focused run and the full one: the sample
+    is scored once, so it does not outweigh the others; different scores for it are listed."""
+    rows = [record(task="passkey", index=i, score=s) for i, s in ((0, 1.0), (1, 0.0), (2, 0.0))]
+    table = report.Table(rows + [record(task="passkey", index=0, score=1.0)])
+    key = ("engine", "aware", "snapkv", 0.5)
+    assert table.score(key, ["passkey"]) == pytest.approx(100 / 3) and not table.conflicts
+    assert table.spread(key, ["passkey"])[1] == 3
+    assert report.Table(rows + [record(task="passkey", index=0, seed=1, score=1.0)]).score(key, ["passkey"]) == 50.0
+    changed = report.Table(rows + [record(task="passkey", index=1, score=1.0)])
+    assert changed.score(key, ["passkey"]) == pytest.approx(200 / 3)  # the later record wins
+    assert changed.conflicts == [(key, "passkey", (0, 1))]
+
+
 def test_side_by_side_scores_every_row_over_the_same_tasks():
     """The full cache ran on more tasks than a method: its row is scored over the tasks the whole table shares."""
     rows = [record(backend=b, method="full", ratio=0.0, task=t, score=s) for b in ("kvpress", "engine")
