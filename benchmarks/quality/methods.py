@@ -84,6 +84,8 @@ ALTERNATIVES: tuple[Method, ...] = (
     Method("h2o:mean", "h2o", {"accumulate": "mean"}, note="kvpress's normalisation, with the recent window"),
     Method("h2o:chunked", "h2o", {"schedule": "chunked"}, note="evict after every prompt chunk"),
     Method("tova:chunked", "tova", {"schedule": "chunked"}, note="evict after every prompt chunk"),
+    Method("streamingllm:oneshot", "streamingllm", {"schedule": "oneshot"},
+           note="once after the prompt, as kvpress: by default later chunks attend to an evicted cache"),
     Method("criticalkv+snapkv:max", "criticalkv+snapkv", {"pooling": "max"}, note="the CriticalKV paper's pooling"),
 )
 
@@ -119,6 +121,9 @@ def presses() -> dict[str, Press]:
 PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention": "h2o:kvpress",
                "streaming_llm": "streamingllm", "keydiff": "keydiff:oneshot", "knorm": "knorm:oneshot",
                "random": "random:oneshot", "criticalkv+snapkv": "criticalkv+snapkv"}
+
+# Further engine rows compared with a press: a schedule kvpress does not have beside the twin that has it.
+EXTRA_PAIRS = (("streaming_llm", "streamingllm:oneshot"),)
 
 PROFILES: dict[str, tuple[str, ...]] = {
     # every configuration: the defaults, the kvpress twins and the alternatives

@@ -71,6 +71,21 @@ class Table:
         mean = sum(per_sample) / len(per_sample)
         return (sum((x - mean) ** 2 for x in per_sample) / (len(per_sample) - 1)) ** 0.5, len(per_sample)
 
+    def paired(self, a: tuple, b: tuple, tasks: Sequence[str]) -> tuple[float, float] | None:
+        """The scores of ``a`` and ``b`` over the samples both have: per task the mean over its common
+        samples, then the mean over ``tasks`` (None if a task has no sample in common)."""
+        per_task = []
+        for task in tasks:
+            common = [s for s, by_task in self.samples.get(a, {}).items()
+                      if task in by_task and task in self.samples.get(b, {}).get(s, {})]
+            if not common:
+                return None
+            per_task.append([(self.samples[a][s][task], self.samples[b][s][task]) for s in common])
+        if not per_task:
+            return None
+        means = [(sum(x for x, _ in pairs) / len(pairs), sum(y for _, y in pairs) / len(pairs)) for pairs in per_task]
+        return (100.0 * sum(x for x, _ in means) / len(means), 100.0 * sum(y for _, y in means) / len(means))
+
     def task_score(self, key: tuple, task: str) -> float | None:
         values = self.scores.get(key, {}).get(task)
         return 100.0 * sum(values) / len(values) if values else None
@@ -206,9 +221,10 @@ UNPAIRED = {"random": "no: another random draw (kvpress: torch.rand, seed 0; eng
 
 def side_by_side(table: Table, setting: str) -> str:
     """Engine configuration vs its kvpress press, per ratio, over the tasks every cell of the table has (one
-    task set for every row, the full cache's included, so that rows compare with each other)."""
+    task set for every row, the full cache's included, so that rows compare with each other), each cell
+    over the samples both sides ran."""
     ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
-    pairs = [("full", "full")] + list(M.PRESS_TWINS.items())
+    pairs = [("full", "full")] + list(M.PRESS_TWINS.items()) + list(M.EXTRA_PAIRS)
     cells_of = {(press, twin): [(("kvpress", setting, press, r), ("engine", setting, twin, r))
                                 for r in ([0.0] * len(ratios) if press == "full" else ratios)]
                 for press, twin in pairs}
@@ -222,10 +238,11 @@ def side_by_side(table: Table, setting: str) -> str:
     for press, twin in pairs:
         cells, diffs = [], []
         for k, e in cells_of[(press, twin)]:
-            a, b = table.score(k, tasks), table.score(e, tasks)
-            if a is None or b is None:
+            both = table.paired(k, e, tasks)  # the same samples on both sides
+            if both is None:
                 cells.append("")
                 continue
+            a, b = both
             diffs.append(abs(b - a))
             cells.append(f"{a:.1f} / {b:.1f} ({b - a:+.1f})")
         if any(cells):

@@ -146,7 +146,7 @@ def test_method_placeholders():
     tenth = M.ALL_METHODS["nacl:proxy=10%"]
     assert tenth.options_for(37, 4000, 1000) == {"proxy": 400}
     assert tenth.options_for(37, 4000, 500) == {"proxy": 248}  # (500 - 4) // 2
-    assert set(M.PRESS_TWINS.values()) <= set(M.ALL_METHODS)
+    assert set(M.PRESS_TWINS.values()) | {twin for _, twin in M.EXTRA_PAIRS} <= set(M.ALL_METHODS)
     for profile in M.PROFILES.values():
         assert set(profile) <= set(M.ALL_METHODS)
 
@@ -214,6 +214,15 @@ def test_side_by_side_scores_every_row_over_the_same_tasks():
     text = report.side_by_side(report.Table(rows), "aware")
     assert text.startswith("Tasks: passkey.\n")
     assert "| full | full | 100.0 / 100.0 (+0.0) | 0.0 | yes |" in text  # not 50.0 over passkey and vt
+
+
+def test_side_by_side_compares_the_samples_both_backends_ran():
+    """The engine ran three samples of the full cache, kvpress one: the cell compares sample 0 with sample 0."""
+    rows = [record(backend="kvpress", method="full", ratio=0.0, index=0, score=0.0)]
+    rows += [record(method="full", ratio=0.0, index=i, score=s) for i, s in ((0, 0.0), (1, 1.0), (2, 1.0))]
+    rows += [record(backend="kvpress", method="snapkv", score=0.0), record(method="snapkv", score=0.0)]
+    text = report.side_by_side(report.Table(rows), "aware")
+    assert "| full | full | 0.0 / 0.0 (+0.0) | 0.0 | yes |" in text  # not 0.0 / 66.7
 
 
 def test_side_by_side_and_claims_read_the_right_rows():
