@@ -69,12 +69,16 @@ def passkey_prompts(seed: int = 0, repeats: int = REPEATS, depths: tuple[float, 
     return prompts
 
 
-def run_method(llm: Any, prompts: list[tuple[str, str]], extra_args: dict[str, Any] | None) -> list[str]:
+def run_outputs(llm: Any, prompts: list[tuple[str, str]], extra_args: dict[str, Any] | None) -> list[Any]:
+    """vLLM's outputs of greedy answers (8 tokens) to ``prompts``."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0, extra_args=extra_args)
-    outputs = llm.generate([prompt for prompt, _ in prompts], params, use_tqdm=False)
-    return [out.outputs[0].text for out in outputs]
+    return llm.generate([prompt for prompt, _ in prompts], params, use_tqdm=False)
+
+
+def run_method(llm: Any, prompts: list[tuple[str, str]], extra_args: dict[str, Any] | None) -> list[str]:
+    return [out.outputs[0].text for out in run_outputs(llm, prompts, extra_args)]
 
 
 def test_passkey_retrieval_full_vs_eviction(smollm2_path, engine_factory):

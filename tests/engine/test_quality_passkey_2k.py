@@ -42,7 +42,7 @@ import time
 
 import pytest
 
-from tests.engine.test_quality_passkey import passkey_prompts
+from tests.engine.test_quality_passkey import passkey_prompts, run_outputs
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -58,10 +58,7 @@ METHODS = {
 
 def run_method(llm, prompts: list[tuple[str, str]], extra_args: dict | None) -> tuple[list[str], list[int]]:
     """Greedy answers (8 tokens) and each request's prefix-cache hit in tokens."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=8, temperature=0.0, extra_args=extra_args)
-    outputs = llm.generate([prompt for prompt, _ in prompts], params, use_tqdm=False)
+    outputs = run_outputs(llm, prompts, extra_args)
     return [out.outputs[0].text for out in outputs], [out.num_cached_tokens or 0 for out in outputs]
 
 
