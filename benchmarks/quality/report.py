@@ -2,7 +2,8 @@
 
 Scores: a (method, ratio) scores the mean over tasks of the task's mean sample score (each task counts the
 same, however many samples it has), in points (0-100). Only tasks that every compared row has results for
-enter a comparison, so a partial run compares like with like.
+enter a comparison, and of each task only the samples every compared row has (``Table.common``), so a
+partial run compares like with like.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ class Table:
                     self.scores[key][task].append(score)
         for (key, _, _), value in realised.items():
             self.realised[key].append(value)
+
+    def common(self, keys: Sequence[tuple], tasks: Sequence[str]) -> "Table":
+        """A copy holding ``keys`` on ``tasks`` with, per task, only the samples every key has: the rows of
+        one table then score the same samples (a focused run's extra samples of one row stay out of it)."""
+        present = [k for k in keys if k in self.samples]
+        out = Table(())
+        for task in tasks:
+            having = [{s for s, by_task in self.samples[k].items() if task in by_task} for k in present]
+            for sample in set.intersection(*having) if having else set():
+                for k in present:
+                    out.samples[k][sample][task] = self.samples[k][sample][task]
+                    out.scores[k][task].append(self.samples[k][sample][task])
+        out.realised, out.errors, out.conflicts = self.realised, self.errors, self.conflicts
+        return out
+
+    def sample_counts(self, tasks: Sequence[str]) -> list[int]:
+        """Per task, how many samples the table's keys hold (the most any key has)."""
+        return [max((len(self.scores[k].get(t, ())) for k in self.scores), default=0) for t in tasks]
 
     def tasks(self, keys: Sequence[tuple]) -> list[str]:
         """Tasks every key has results for, in suite order."""
@@ -114,12 +133,19 @@ def load(files: Sequence[Path], *, model: str, dtype: str, length: int) -> Table
                  and r.get("length") == length)
 
 
+def method_keys(table: Table, backend: str, setting: str) -> list[tuple]:
+    """The keys of a method table: every method at the suite's ratios, the full cache once."""
+    ratios = table.ratios(backend, setting)
+    return [(backend, setting, n, r) for n in table.methods(backend, setting) for r in ([0.0] if n == "full" else ratios)]
+
+
 def method_table(table: Table, backend: str, setting: str) -> tuple[str, list[str]]:
     """Markdown: one row per method, its score at each ratio and the mean; the full cache on top."""
     ratios = table.ratios(backend, setting)
     names = table.methods(backend, setting)
-    keys = [(backend, setting, n, r) for n in names for r in ([0.0] if n == "full" else ratios)]
+    keys = method_keys(table, backend, setting)
     tasks = table.tasks(keys)
+    table = table.common(keys, tasks)  # every row over the same samples
     rows = []
     for name in names:
         if name == "full":
@@ -136,6 +162,14 @@ def method_table(table: Table, backend: str, setting: str) -> tuple[str, list[st
     for mean, name, cells in rows:
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_fmt(mean if mean >= 0 else None)} |")
     return header + "\n".join(lines) + "\n", tasks
+
+
+def samples_line(table: Table, backend: str, setting: str, tasks: Sequence[str]) -> str:
+    """How many samples per task the method table scores (those every row has)."""
+    counts = table.common(method_keys(table, backend, setting), tasks).sample_counts(tasks)
+    if counts and len(set(counts)) == 1:
+        return f"{counts[0]} sample{'s' if counts[0] != 1 else ''} per task, the ones every row has"
+    return "samples per task (the ones every row has): " + ", ".join(f"{t} {n}" for t, n in zip(tasks, counts))
 
 
 def _with_spread(table: Table, key: tuple, tasks: Sequence[str]) -> str:
@@ -178,6 +212,8 @@ READING_GROUPS = {
                                                        "h2o:chunked"),
     "TOVA's schedule": ("tova", "tova:chunked"),
     "CriticalKV's pooling": ("criticalkv+snapkv", "criticalkv+snapkv:max"),
+    "Random's draws (request seeds 0-3)": ("random:oneshot", "random:oneshot:seed=1", "random:oneshot:seed=2",
+                                           "random:oneshot:seed=3"),
 }
 
 
@@ -193,14 +229,16 @@ def readings_table(table: Table, setting: str, names: Sequence[str]) -> str | No
              if sum(table.task_score(("engine", setting, n, c[1]), c[0]) is not None for n in present) >= 2]
     if not cells:
         return None
-    # Per ratio, each reading's mean over the tasks every reading has at that ratio (tasks weigh equally).
+    # Per ratio, each reading's mean over the tasks and samples every reading has at that ratio (tasks weigh
+    # equally); the per-task cells hold every sample.
     ratios = sorted({r for _, r in cells})
     common = {r: table.tasks([("engine", setting, n, r) for n in present]) for r in ratios}
     means = [r for r in ratios if common[r]]
+    same = {r: table.common([("engine", setting, n, r) for n in present], common[r]) for r in means}
     header = ("| reading | " + " | ".join(f"mean {r:g}" for r in means) + (" | " if means else "")
               + " | ".join(f"{t} {r:g}" for t, r in cells) + " |\n|---|" + "---|" * (len(means) + len(cells)) + "\n")
     return header + "\n".join(
-        f"| {n} | " + "".join(f"{_fmt(table.score(('engine', setting, n, r), common[r]))} | " for r in means)
+        f"| {n} | " + "".join(f"{_fmt(same[r].score(('engine', setting, n, r), common[r]))} | " for r in means)
         + " | ".join(_fmt(table.task_score(("engine", setting, n, r), t), 0) for t, r in cells) + " |"
         for n in present) + "\n"
 
@@ -270,11 +308,15 @@ BAR_RATIO = 0.875  # where issue #30 asks AhaKV to be within 5 points of SnapKV
 
 
 def claims(table: Table) -> str:
-    """The papers' claims checked on the engine's numbers (query-aware unless stated)."""
+    """The papers' claims checked on the engine's numbers (query-aware unless stated), each over the tasks
+    and samples both sides have."""
     out = []
 
-    def s(setting: str, method: str, ratio: float, tasks: Sequence[str]) -> float | None:
-        return table.score(("engine", setting, method, ratio), tasks)
+    def scores(setting: str, *rows: tuple[str, float]) -> list[float | None]:
+        keys = [("engine", setting, method, ratio) for method, ratio in rows]
+        tasks = table.tasks(keys)
+        same = table.common(keys, tasks)
+        return [same.score(k, tasks) for k in keys]
 
     for setting in ("aware", "agnostic"):
         ratios = table.ratios("engine", setting)
@@ -285,39 +327,32 @@ def claims(table: Table) -> str:
         for better, base in pairs:
             rows = []
             for r in ratios:
-                keys = [("engine", setting, better, r), ("engine", setting, base, r)]
-                tasks = table.tasks(keys)
-                a, b = s(setting, better, r, tasks), s(setting, base, r, tasks)
+                a, b = scores(setting, (better, r), (base, r))
                 if a is not None and b is not None:
                     rows.append(f"{r:g}: {a:.1f} vs {b:.1f} {verdict(a >= b, a, b)}")
             if rows:
                 out.append(f"* {setting}: {better} >= {base}: " + "; ".join(rows))
         top = max(ratios)
-        tasks = table.tasks([("engine", setting, "ahakv", top), ("engine", setting, "snapkv", top)])
-        a, b = s(setting, "ahakv", top, tasks), s(setting, "snapkv", top, tasks)
+        a, b = scores(setting, ("ahakv", top), ("snapkv", top))
         if a is not None and b is not None:
             out.append(f"* {setting}: ahakv >= snapkv at the smallest budget (ratio {top:g}): {a:.1f} vs {b:.1f} "
                        f"{verdict(a >= b, a, b)}")
         if BAR_RATIO in ratios and setting == "aware":  # issue #30's bar for this project's AhaKV
-            tasks = table.tasks([("engine", setting, "ahakv", BAR_RATIO), ("engine", setting, "snapkv", BAR_RATIO)])
-            a, b = s(setting, "ahakv", BAR_RATIO, tasks), s(setting, "snapkv", BAR_RATIO, tasks)
+            a, b = scores(setting, ("ahakv", BAR_RATIO), ("snapkv", BAR_RATIO))
             if a is not None and b is not None:
                 out.append(f"* {setting}: ahakv >= snapkv - 5 points at ratio {BAR_RATIO:g} (this project's bar): "
                            f"{a:.1f} vs {b:.1f} - 5 = {b - 5:.1f} {verdict(a >= b - 5, a, b)}")
         if 0.75 in ratios and setting == "aware":
             for name in ("nacl", "nacl:proxy=question"):
-                tasks = table.tasks([("engine", setting, name, 0.75), ("engine", setting, "full", 0.0)])
-                a, f = s(setting, name, 0.75, tasks), s(setting, "full", 0.0, tasks)
+                a, f = scores(setting, (name, 0.75), ("full", 0.0))
                 if a is not None and f is not None:
                     out.append(f"* {setting}: {name} >= 90% of the full cache at ratio 0.75: {a:.1f} vs "
                                f"0.9 x {f:.1f} = {0.9 * f:.1f} {verdict(a >= 0.9 * f, a, f)}")
         if 0.5 in ratios:
             names = [n for n in table.methods("engine", setting) if n != "full"]
-            keys = [("engine", setting, n, 0.5) for n in names] + [("engine", setting, "full", 0.0)]
-            tasks = table.tasks(keys)
-            scored = [(s(setting, n, 0.5, tasks), n) for n in names]
-            scored = [x for x in scored if x[0] is not None]
-            f = s(setting, "full", 0.0, tasks)
+            values = scores(setting, *((n, 0.5) for n in names), ("full", 0.0))
+            scored = [(v, n) for v, n in zip(values, names) if v is not None]
+            f = values[-1]
             if scored and f is not None:
                 best, name = max(scored)
                 out.append(f"* {setting}: best method at ratio 0.5 within 5 points of the full cache: {name} "
@@ -340,11 +375,12 @@ def plot(table: Table, out: Path) -> list[Path]:
             names = [n for n in table.methods("engine", setting) if n in {m.name for m in M.DEFAULTS}]
             keys = [("engine", setting, n, r) for n in names for r in ratios] + [("engine", setting, "full", 0.0)]
             tasks = table.tasks(keys)
+            same = table.common(keys, tasks)  # every curve over the same samples
             for name in names:
-                ys = [table.score(("engine", setting, name, r), tasks) for r in ratios]
+                ys = [same.score(("engine", setting, name, r), tasks) for r in ratios]
                 style = "--" if "+" in name else "-"
                 ax.plot(ratios, ys, style, marker="o", label=name)
-            full = table.score(("engine", setting, "full", 0.0), tasks)
+            full = same.score(("engine", setting, "full", 0.0), tasks)
             if full is not None:
                 ax.axhline(full, color="black", lw=1, label="full cache")
             ax.set_title(SETTING_TITLES[setting], fontsize=10)
@@ -398,8 +434,9 @@ def plot(table: Table, out: Path) -> list[Path]:
                 for backend, method, style in (("kvpress", press, "--"), ("engine", twin, "-")):
                     ys = []
                     for r in ratios:
-                        tasks = table.tasks([("kvpress", setting, press, r), ("engine", setting, twin, r)])
-                        ys.append(table.score((backend, setting, method, r), tasks))
+                        keys = [("kvpress", setting, press, r), ("engine", setting, twin, r)]
+                        tasks = table.tasks(keys)
+                        ys.append(table.common(keys, tasks).score((backend, setting, method, r), tasks))
                     ax.plot(ratios, ys, style, color=color, marker="o", label=f"{backend} {setting}")
             ax.set_title(f"{twin} vs kvpress {press}", fontsize=8)
             ax.set_ylim(-2, 102)
@@ -428,7 +465,8 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
             if not table.ratios(backend, setting):
                 continue
             text, tasks = method_table(table, backend, setting)
-            parts.append(f"## {backend}, {SETTING_TITLES[setting]}\n\nTasks: {', '.join(tasks)}.\n\n{text}")
+            parts.append(f"## {backend}, {SETTING_TITLES[setting]}\n\nTasks: {', '.join(tasks)}; "
+                         f"{samples_line(table, backend, setting, tasks)}.\n\n{text}")
         if table.ratios("kvpress", setting) and table.ratios("engine", setting):
             parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
     parts.append(f"## Full cache, per task\n\n{full_table(table)}")

@@ -258,6 +258,10 @@ def test_side_by_side_says_why_random_draws_differ_and_claims_check_the_ahakv_ba
     assert "aware: ahakv >= snapkv - 5 points at ratio 0.875 (this project's bar): 93.8 vs 100.0 - 5 = 95.0 fails" in claims
     close = report.claims(report.Table(rows[:-1] + [record(method="ahakv", ratio=0.875, task="vt", score=0.95)]))
     assert "(this project's bar): 97.5 vs 100.0 - 5 = 95.0 holds" in close
+    # a claim compares the samples both sides ran: SnapKV's extra sample 1 (score 0) stays out
+    extra = report.claims(report.Table(rows + [record(method="snapkv", ratio=0.875, task=t, index=1, score=0.0)
+                                               for t in ("passkey", "vt")]))
+    assert "(this project's bar): 93.8 vs 100.0 - 5 = 95.0 fails" in extra
 
 
 def test_method_table_gives_each_score_its_spread_over_samples():
@@ -272,6 +276,22 @@ def test_method_table_gives_each_score_its_spread_over_samples():
     assert "| full cache | 100.0 ±0.0 (3) | 100.0 |" in text
     one = report.Table([record(task="passkey")])
     assert one.spread(("engine", "aware", "snapkv", 0.5), ["passkey"]) is None
+
+
+def test_method_table_scores_every_row_over_the_samples_all_rows_have():
+    """The full cache ran three samples, SnapKV one: the table compares sample 0 with sample 0 and says so."""
+    rows = [record(method="full", ratio=0.0, index=i, score=s) for i, s in ((0, 0.0), (1, 1.0), (2, 1.0))]
+    rows += [record(index=0, score=0.0), record(method="snapkv", ratio=0.875, index=0, score=0.0)]
+    table = report.Table(rows)
+    text, tasks = report.method_table(table, "engine", "aware")
+    assert "| full cache | 0.0 | 0.0 | 0.0 |" in text  # not 66.7 ±57.7 (3)
+    assert report.samples_line(table, "engine", "aware", tasks) == "1 sample per task, the ones every row has"
+    three = report.Table(rows + [record(index=i, score=1.0) for i in (1, 2)]
+                         + [record(method="snapkv", ratio=0.875, index=i, score=1.0) for i in (1, 2)])
+    text, _ = report.method_table(three, "engine", "aware")
+    assert "| full cache | 66.7 ±57.7 (3) | 66.7 ±57.7 (3) | 66.7 |" in text
+    assert report.samples_line(three, "engine", "aware", tasks) == "3 samples per task, the ones every row has"
+    assert three.score(("engine", "aware", "full", 0.0), tasks) == pytest.approx(200 / 3)  # the table itself unchanged
 
 
 def test_readings_table_means_each_ratio_over_the_tasks_every_reading_has():
