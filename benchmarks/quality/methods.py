@@ -87,6 +87,10 @@ ALTERNATIVES: tuple[Method, ...] = (
     Method("streamingllm:oneshot", "streamingllm", {"schedule": "oneshot"},
            note="once after the prompt, as kvpress: by default later chunks attend to an evicted cache"),
     Method("criticalkv+snapkv:max", "criticalkv+snapkv", {"pooling": "max"}, note="the CriticalKV paper's pooling"),
+    # Other draws of the engine's random twin (request seeds 1-3): how far two draws of one method are apart
+    # on the same samples, the yardstick for the random press's difference from its twin.
+    *(Method(f"random:oneshot:seed={seed}", "random", {"schedule": "oneshot", "seed": seed},
+             note=f"the engine's random twin, request seed {seed}") for seed in (1, 2, 3)),
 )
 
 ALL_METHODS: dict[str, Method] = {m.name: m for m in (FULL, *DEFAULTS, *KVPRESS_TWINS, *ALTERNATIVES)}
@@ -123,7 +127,8 @@ PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention":
                "random": "random:oneshot", "criticalkv+snapkv": "criticalkv+snapkv"}
 
 # Further engine rows compared with a press: a schedule kvpress does not have beside the twin that has it.
-EXTRA_PAIRS = (("streaming_llm", "streamingllm:oneshot"),)
+EXTRA_PAIRS = (("streaming_llm", "streamingllm:oneshot"),
+               *(("random", f"random:oneshot:seed={seed}") for seed in (1, 2, 3)))
 
 PROFILES: dict[str, tuple[str, ...]] = {
     # every configuration: the defaults, the kvpress twins and the alternatives
