@@ -292,6 +292,34 @@ def side_by_side(table: Table, setting: str) -> str:
     return header + "\n".join(lines) + "\n"
 
 
+def draws_table(table: Table, setting: str, press: str = "random") -> str | None:
+    """A random press against several engine draws (its twin and the EXTRA_PAIRS rows of that press), per
+    ratio over the tasks and samples all of them have: the engine draws' range, kvpress's score, and
+    whether kvpress's lies inside the range (then it is as far from an engine draw as two engine draws can
+    be from each other)."""
+    twins = [M.PRESS_TWINS[press]] + [twin for p, twin in M.EXTRA_PAIRS if p == press]
+    ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
+    lines = []
+    for r in ratios:
+        keys = [("engine", setting, twin, r) for twin in twins if ("engine", setting, twin, r) in table.scores]
+        if len(keys) < 2 or ("kvpress", setting, press, r) not in table.scores:
+            continue
+        keys.append(("kvpress", setting, press, r))
+        tasks = table.tasks(keys)
+        same = table.common(keys, tasks)
+        values = [same.score(k, tasks) for k in keys]
+        if not tasks or any(v is None for v in values):
+            continue
+        *draws, theirs = values
+        low, high = min(draws), max(draws)
+        lines.append(f"| {r:g} | {len(draws)} | {low:.1f} - {high:.1f} ({high - low:.1f}) | {theirs:.1f} | "
+                     f"{'yes' if low <= theirs <= high else 'no'} |")
+    if not lines:
+        return None
+    return ("| ratio | engine draws | engine range (span) | kvpress | kvpress inside the range |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
 def realised_table(table: Table, backend: str, setting: str) -> str:
     ratios = table.ratios(backend, setting)
     header = "| method | " + " | ".join(f"asked {r:g}" for r in ratios) + " |\n|---|" + "---|" * len(ratios) + "\n"
@@ -469,6 +497,9 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
                          f"{samples_line(table, backend, setting, tasks)}.\n\n{text}")
         if table.ratios("kvpress", setting) and table.ratios("engine", setting):
             parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
+            draws = draws_table(table, setting)
+            if draws:
+                parts.append(f"### random: kvpress's draw among the engine's, {setting}\n\n{draws}")
     parts.append(f"## Full cache, per task\n\n{full_table(table)}")
     parts.append(f"## The papers' claims on these numbers\n\n{claims(table)}")
     readings = []

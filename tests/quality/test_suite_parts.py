@@ -305,3 +305,21 @@ def test_readings_table_means_each_ratio_over_the_tasks_every_reading_has():
     assert lines[0] == "| reading | mean 0.875 | mean 0.9375 | passkey 0.875 | passkey 0.9375 |"
     assert lines[2] == "| snapkv | 0.0 | 100.0 | 0 | 100 |"
     assert lines[3] == "| ahakv | 100.0 | 100.0 | 100 | 100 |"  # vt: snapkv has none, so no mean counts it
+
+
+def test_draws_table_places_kvpress_among_the_engine_draws():
+    """Random's press against the engine's draws (request seeds 0-3) on the tasks and samples all of them ran."""
+    rows = [record(backend="kvpress", method="random", score=0.5, task=t) for t in ("passkey", "vt")]
+    draws = {"random:oneshot": (1.0, 1.0), "random:oneshot:seed=1": (0.0, 1.0), "random:oneshot:seed=2": (0.0, 0.0)}
+    rows += [record(method=m, task=t, score=v) for m, scores in draws.items() for t, v in zip(("passkey", "vt"), scores)]
+    text = report.draws_table(report.Table(rows), "aware")
+    assert text.splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
+    two = [r for r in rows if r["method"] != "random:oneshot:seed=2"]
+    assert report.draws_table(report.Table(two), "aware").splitlines()[2] == "| 0.5 | 2 | 50.0 - 100.0 (50.0) | 50.0 | yes |"
+    out = report.Table([{**r, "score": 1.0} if r["backend"] == "kvpress" else r for r in rows
+                        if r["method"] != "random:oneshot"])
+    assert report.draws_table(out, "aware").splitlines()[2] == "| 0.5 | 2 | 0.0 - 50.0 (50.0) | 100.0 | no |"
+    # a draw that ran passkey only: every draw is scored over passkey (seed 1 then 0, not 50)
+    short = report.Table(two + [record(method="random:oneshot:seed=3", task="passkey", score=1.0)])
+    assert report.draws_table(short, "aware").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
+    assert report.draws_table(report.Table(rows[:4]), "aware") is None  # one engine draw: nothing to compare
