@@ -292,6 +292,11 @@ def test_method_table_scores_every_row_over_the_samples_all_rows_have():
     assert "| full cache | 66.7 ±57.7 (3) | 66.7 ±57.7 (3) | 66.7 |" in text
     assert report.samples_line(three, "engine", "aware", tasks) == "3 samples per task, the ones every row has"
     assert three.score(("engine", "aware", "full", 0.0), tasks) == pytest.approx(200 / 3)  # the table itself unchanged
+    # no sample in common: no score, rather than one over different samples
+    snap, tova = ("engine", "aware", "snapkv", 0.5), ("engine", "aware", "tova", 0.5)
+    disjoint = report.Table([record(index=0), record(method="tova", index=1)])
+    assert disjoint.paired(snap, tova, ["passkey"]) is None
+    assert disjoint.common([snap, tova], ["passkey"]).score(snap, ["passkey"]) is None
 
 
 def test_readings_table_means_each_ratio_over_the_tasks_every_reading_has():
@@ -323,3 +328,12 @@ def test_draws_table_places_kvpress_among_the_engine_draws():
     short = report.Table(two + [record(method="random:oneshot:seed=3", task="passkey", score=1.0)])
     assert report.draws_table(short, "aware").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
     assert report.draws_table(report.Table(rows[:4]), "aware") is None  # one engine draw: nothing to compare
+
+
+def test_report_names_only_the_files_it_read_records_from(tmp_path):
+    """A bfloat16 report from a folder that also holds float32 files names only the files it used."""
+    (tmp_path / "bf16.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        record(method="full", ratio=0.0, model="m"), record(model="m"))))
+    (tmp_path / "f32.jsonl").write_text(json.dumps(record(dtype="float32", model="m")) + "\n")
+    md = report.write(sorted(tmp_path.glob("*.jsonl")), model="m", dtype="bfloat16", length=4096, out=tmp_path / "out")
+    assert "from `bf16.jsonl`. Scores" in md.read_text()
