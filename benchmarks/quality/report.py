@@ -253,7 +253,7 @@ UNPAIRED = {"random": "no: another random draw (kvpress: torch.rand, seed 0; eng
 def side_by_side(table: Table, setting: str) -> str:
     """Engine configuration vs its kvpress press, per ratio, over the tasks every cell of the table has (one
     task set for every row, the full cache's included, so that rows compare with each other), each cell
-    over the samples both sides ran."""
+    over the samples both sides ran; the last column says how many samples per task the row's cells pair."""
     ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
     pairs = [("full", "full")] + list(M.PRESS_TWINS.items()) + list(M.EXTRA_PAIRS)
     cells_of = {(press, twin): [(("kvpress", setting, press, r), ("engine", setting, twin, r))
@@ -264,15 +264,16 @@ def side_by_side(table: Table, setting: str) -> str:
     tasks = table.tasks(present)
     header = (f"Tasks: {', '.join(tasks) or 'none in common'}.\n\n"
               "| kvpress press | engine method | " + " | ".join(f"{r:g}: kvpress / engine (diff)" for r in ratios)
-              + " | max abs diff | within 2 points |\n|---|---|" + "---|" * (len(ratios) + 2) + "\n")
+              + " | max abs diff | within 2 points | samples per task |\n|---|---|" + "---|" * (len(ratios) + 3) + "\n")
     lines = []
     for press, twin in pairs:
-        cells, diffs = [], []
+        cells, diffs, counts = [], [], []
         for k, e in cells_of[(press, twin)]:
             both = table.paired(k, e, tasks)  # the same samples on both sides
             if both is None:
                 cells.append("")
                 continue
+            counts += table.common([k, e], tasks).sample_counts(tasks)
             a, b = both
             diffs.append(abs(b - a))
             cells.append(f"{a:.1f} / {b:.1f} ({b - a:+.1f})")
@@ -281,8 +282,17 @@ def side_by_side(table: Table, setting: str) -> str:
             within = "" if worst is None else ("yes" if worst <= 2.0 else "no")
             if press in UNPAIRED and within == "no":
                 within = UNPAIRED[press]
-            lines.append(f"| {press} | {twin} | " + " | ".join(cells) + f" | {_fmt(worst)} | {within} |")
+            lines.append(f"| {press} | {twin} | " + " | ".join(cells) + f" | {_fmt(worst)} | {within} | "
+                         f"{_count_range(counts)} |")
     return header + "\n".join(lines) + "\n"
+
+
+def _count_range(counts: Sequence[int]) -> str:
+    """"3", or "1-3" when the cells of a row pair different numbers of samples on some task."""
+    if not counts:
+        return ""
+    low, high = min(counts), max(counts)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def draws_table(table: Table, setting: str, press: str = "random") -> str | None:

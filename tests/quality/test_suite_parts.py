@@ -222,7 +222,13 @@ def test_side_by_side_compares_the_samples_both_backends_ran():
     rows += [record(method="full", ratio=0.0, index=i, score=s) for i, s in ((0, 0.0), (1, 1.0), (2, 1.0))]
     rows += [record(backend="kvpress", method="snapkv", score=0.0), record(method="snapkv", score=0.0)]
     text = report.side_by_side(report.Table(rows), "aware")
-    assert "| full | full | 0.0 / 0.0 (+0.0) | 0.0 | yes |" in text  # not 0.0 / 66.7
+    assert "| full | full | 0.0 / 0.0 (+0.0) | 0.0 | yes | 1 |" in text  # not 0.0 / 66.7; one sample paired
+    rows += [record(backend="kvpress", method="full", ratio=0.0, index=1, score=1.0)]
+    rows += [record(backend=b, method="snapkv", index=1, score=1.0) for b in ("kvpress", "engine")]
+    rows += [record(backend=b, method="snapkv", ratio=0.875, score=1.0) for b in ("kvpress", "engine")]
+    text = report.side_by_side(report.Table(rows), "aware")
+    assert "| full | full | 50.0 / 50.0 (+0.0) | 50.0 / 50.0 (+0.0) | 0.0 | yes | 2 |" in text
+    assert "| snapkv | snapkv | 50.0 / 50.0 (+0.0) | 100.0 / 100.0 (+0.0) | 0.0 | yes | 1-2 |" in text
 
 
 def test_side_by_side_and_claims_read_the_right_rows():
