@@ -109,6 +109,8 @@ def presses() -> dict[str, Press]:
     from kvpress import (CriticalKVPress, KeyDiffPress, KnormPress, ObservedAttentionPress, RandomPress,
                          SnapKVPress, StreamingLLMPress, TOVAPress)
 
+    from benchmarks.quality.layer_random import PerLayerRandomPress
+
     return {p.name: p for p in (
         Press("snapkv", "snapkv", lambda: SnapKVPress(window_size=32, kernel_size=7)),
         Press("tova", "tova:kvpress", lambda: TOVAPress()),
@@ -119,6 +121,8 @@ def presses() -> dict[str, Press]:
         Press("random", "random:oneshot", lambda: RandomPress(seed=0)),
         Press("criticalkv+snapkv", "criticalkv+snapkv",
               lambda: CriticalKVPress(SnapKVPress(window_size=32, kernel_size=7), epsilon=1e-4, first_stage_ratio=0.5)),
+        # not a kvpress press: kvpress's random press drawing afresh per layer, as the engine does (layer_random.py)
+        Press("random:layers", "random:oneshot", lambda: PerLayerRandomPress(seed=0)),
     )}
 
 
@@ -126,9 +130,12 @@ PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention":
                "streaming_llm": "streamingllm", "keydiff": "keydiff:oneshot", "knorm": "knorm:oneshot",
                "random": "random:oneshot", "criticalkv+snapkv": "criticalkv+snapkv"}
 
-# Further engine rows compared with a press: a schedule kvpress does not have beside the twin that has it.
+# Further engine rows compared with a press: a schedule kvpress does not have beside the twin that has it,
+# and the random twin beside kvpress's random press drawn per layer (random:layers, not a twin of its own).
 EXTRA_PAIRS = (("streaming_llm", "streamingllm:oneshot"),
-               *(("random", f"random:oneshot:seed={seed}") for seed in (1, 2, 3)))
+               *(("random", f"random:oneshot:seed={seed}") for seed in (1, 2, 3)),
+               ("random:layers", "random:oneshot"),
+               *(("random:layers", f"random:oneshot:seed={seed}") for seed in (1, 2, 3)))
 
 PROFILES: dict[str, tuple[str, ...]] = {
     # every configuration: the defaults, the kvpress twins and the alternatives

@@ -247,7 +247,9 @@ def full_table(table: Table) -> str:
 
 
 # Presses whose scores are not expected to match their twin's sample by sample, and why (docs/benchmarks/quality.md).
-UNPAIRED = {"random": "no: another random draw (kvpress: torch.rand, seed 0; engine: a hash of seed, layer, head, position)"}
+UNPAIRED = {"random": "no: another random draw (kvpress: torch.rand, seed 0; engine: a hash of seed, layer, head, position)",
+            "random:layers": "no: another random draw (torch.rand seeded per layer; engine: a hash of seed, layer, head, "
+                             "position)"}
 
 
 def side_by_side(table: Table, setting: str) -> str:
@@ -295,12 +297,18 @@ def _count_range(counts: Sequence[int]) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
+# kvpress's random presses and what their draw is, for the titles of their draws tables.
+RANDOM_PRESSES = {"random": "kvpress's draw (seed 0, the same in every layer)",
+                  "random:layers": "kvpress's random press drawn afresh per layer (random:layers)"}
+
+
 def draws_table(table: Table, setting: str, press: str = "random") -> str | None:
     """A random press against several engine draws (its twin and the EXTRA_PAIRS rows of that press), per
     ratio over the tasks and samples all of them have: the engine draws' range, kvpress's score, and
     whether kvpress's lies inside the range (then it is as far from an engine draw as two engine draws can
     be from each other)."""
-    twins = [M.PRESS_TWINS[press]] + [twin for p, twin in M.EXTRA_PAIRS if p == press]
+    twins = [M.PRESS_TWINS[press]] if press in M.PRESS_TWINS else []
+    twins += [twin for p, twin in M.EXTRA_PAIRS if p == press and twin not in twins]
     ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
     lines = []
     for r in ratios:
@@ -501,9 +509,10 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
                          f"{samples_line(table, backend, setting, tasks)}.\n\n{text}")
         if table.ratios("kvpress", setting) and table.ratios("engine", setting):
             parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
-            draws = draws_table(table, setting)
-            if draws:
-                parts.append(f"### random: kvpress's draw among the engine's, {setting}\n\n{draws}")
+            for press, title in RANDOM_PRESSES.items():
+                draws = draws_table(table, setting, press)
+                if draws:
+                    parts.append(f"### random: {title} among the engine's, {setting}\n\n{draws}")
     parts.append(f"## Full cache, per task\n\n{full_table(table)}")
     parts.append(f"## The papers' claims on these numbers\n\n{claims(table)}")
     readings = []

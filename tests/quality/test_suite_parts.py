@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -334,6 +335,11 @@ def test_draws_table_places_kvpress_among_the_engine_draws():
     short = report.Table(two + [record(method="random:oneshot:seed=3", task="passkey", score=1.0)])
     assert report.draws_table(short, "aware").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
     assert report.draws_table(report.Table(rows[:4]), "aware") is None  # one engine draw: nothing to compare
+    # kvpress's per-layer draw (random:layers, no twin of its own) among the same engine draws
+    layers = [{**r, "method": "random:layers", "score": 0.0} for r in rows if r["backend"] == "kvpress"]
+    both = report.Table(rows + layers)
+    assert report.draws_table(both, "aware", "random:layers").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 0.0 | yes |"
+    assert report.draws_table(both, "aware").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
 
 
 def test_report_names_only_the_files_it_read_records_from(tmp_path):
@@ -343,3 +349,30 @@ def test_report_names_only_the_files_it_read_records_from(tmp_path):
     (tmp_path / "f32.jsonl").write_text(json.dumps(record(dtype="float32", model="m")) + "\n")
     md = report.write(sorted(tmp_path.glob("*.jsonl")), model="m", dtype="bfloat16", length=4096, out=tmp_path / "out")
     assert "from `bf16.jsonl`. Scores" in md.read_text()
+
+
+def test_per_layer_random_press_draws_afresh_in_every_layer():
+    """random:layers is kvpress's RandomPress with the seed made per layer: layer 0 of seed 0 is kvpress's
+    own draw, every other layer (and seed) another one, each repeatable."""
+    import torch
+    from kvpress import RandomPress
+
+    from benchmarks.quality.layer_random import PerLayerRandomPress, layer_seed
+
+    class Layer:
+        def __init__(self, index: int) -> None:
+            self.layer_idx = index
+
+    keys = torch.zeros(1, 2, 64, 8)
+
+    def scores(press: Any, layer: int) -> torch.Tensor:
+        return press.score(Layer(layer), None, keys, keys, None, {})
+
+    ours, theirs = PerLayerRandomPress(seed=0), RandomPress(seed=0)
+    assert torch.equal(scores(ours, 0), scores(theirs, 0))
+    assert torch.equal(scores(theirs, 0), scores(theirs, 5))  # kvpress: the same draw in every layer
+    draws = [scores(ours, layer) for layer in range(4)] + [scores(PerLayerRandomPress(seed=1), 0)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
+    assert torch.equal(scores(ours, 3), draws[3])
+    assert len({layer_seed(s, layer) for s in range(3) for layer in range(100)}) == 300
+    assert M.presses()["random:layers"].twin == "random:oneshot"
