@@ -25,6 +25,7 @@ from typing import Any, Callable
 QUESTION = "<question tokens>"  # placeholder option value: the question part's token count
 TENTH = "<a tenth of the span>"  # placeholder: NaCl's earlier rule, max(32, 10% of the span), half the budget at most
 RATIOS = (0.25, 0.5, 0.75, 0.875)
+RANDOM_SEEDS = (1, 2, 3)  # further draws of random, each side (seed 0 is the twin's)
 SETTINGS = ("aware", "agnostic")
 
 
@@ -90,7 +91,7 @@ ALTERNATIVES: tuple[Method, ...] = (
     # Other draws of the engine's random twin (request seeds 1-3): how far two draws of one method are apart
     # on the same samples, the yardstick for the random press's difference from its twin.
     *(Method(f"random:oneshot:seed={seed}", "random", {"schedule": "oneshot", "seed": seed},
-             note=f"the engine's random twin, request seed {seed}") for seed in (1, 2, 3)),
+             note=f"the engine's random twin, request seed {seed}") for seed in RANDOM_SEEDS),
 )
 
 ALL_METHODS: dict[str, Method] = {m.name: m for m in (FULL, *DEFAULTS, *KVPRESS_TWINS, *ALTERNATIVES)}
@@ -121,9 +122,23 @@ def presses() -> dict[str, Press]:
         Press("random", "random:oneshot", lambda: RandomPress(seed=0)),
         Press("criticalkv+snapkv", "criticalkv+snapkv",
               lambda: CriticalKVPress(SnapKVPress(window_size=32, kernel_size=7), epsilon=1e-4, first_stage_ratio=0.5)),
-        # not a kvpress press: kvpress's random press drawing afresh per layer, as the engine does (layer_random.py)
-        Press("random:layers", "random:oneshot", lambda: PerLayerRandomPress(seed=0)),
+        # More draws of kvpress's random press, and the same press drawing afresh per layer as the engine
+        # does (layer_random.py; not kvpress presses): what the random twin's gap comes from.
+        *(Press(f"random:seed={seed}", f"random:oneshot:seed={seed}", lambda seed=seed: RandomPress(seed=seed))
+          for seed in RANDOM_SEEDS),
+        *(Press(layer_random_name(seed), random_twin(seed), lambda seed=seed: PerLayerRandomPress(seed=seed))
+          for seed in (0, *RANDOM_SEEDS)),
     )}
+
+
+def random_twin(seed: int) -> str:
+    """The engine's random twin drawn with request seed ``seed``."""
+    return "random:oneshot" if seed == 0 else f"random:oneshot:seed={seed}"
+
+
+def layer_random_name(seed: int) -> str:
+    """The press name of kvpress's random press drawn per layer from ``seed``."""
+    return "random:layers" if seed == 0 else f"random:layers:seed={seed}"
 
 
 PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention": "h2o:kvpress",
@@ -131,11 +146,10 @@ PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention":
                "random": "random:oneshot", "criticalkv+snapkv": "criticalkv+snapkv"}
 
 # Further engine rows compared with a press: a schedule kvpress does not have beside the twin that has it,
-# and the random twin beside kvpress's random press drawn per layer (random:layers, not a twin of its own).
+# and the random twin beside kvpress's random press drawn per layer from the same seed.
 EXTRA_PAIRS = (("streaming_llm", "streamingllm:oneshot"),
-               *(("random", f"random:oneshot:seed={seed}") for seed in (1, 2, 3)),
-               ("random:layers", "random:oneshot"),
-               *(("random:layers", f"random:oneshot:seed={seed}") for seed in (1, 2, 3)))
+               *(("random", random_twin(seed)) for seed in RANDOM_SEEDS),
+               ("random:layers", "random:oneshot"))
 
 PROFILES: dict[str, tuple[str, ...]] = {
     # every configuration: the defaults, the kvpress twins and the alternatives

@@ -297,11 +297,6 @@ def _count_range(counts: Sequence[int]) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
-# kvpress's random presses and what their draw is, for the titles of their draws tables.
-RANDOM_PRESSES = {"random": "kvpress's draw (seed 0, the same in every layer)",
-                  "random:layers": "kvpress's random press drawn afresh per layer (random:layers)"}
-
-
 def draws_table(table: Table, setting: str, press: str = "random") -> str | None:
     """A random press against several engine draws (its twin and the EXTRA_PAIRS rows of that press), per
     ratio over the tasks and samples all of them have: the engine draws' range, kvpress's score, and
@@ -329,6 +324,40 @@ def draws_table(table: Table, setting: str, press: str = "random") -> str | None
         return None
     return ("| ratio | engine draws | engine range (span) | kvpress | kvpress inside the range |\n"
             "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
+def random_layers_table(table: Table, setting: str) -> str | None:
+    """Random's three groups of draws per ratio, over the tasks and samples every draw has: kvpress's press
+    (one draw for every layer), the same press drawn afresh per layer (layer_random.py) and the engine's
+    twin (per layer), each over seeds 0-3: mean and range. The first two differ in that one thing."""
+    seeds = (0, *M.RANDOM_SEEDS)
+    groups = {"kvpress, one draw for every layer": [("kvpress", "random" if s == 0 else f"random:seed={s}")
+                                                    for s in seeds],
+              "kvpress, a draw per layer": [("kvpress", M.layer_random_name(s)) for s in seeds],
+              "engine, a draw per layer": [("engine", M.random_twin(s)) for s in seeds]}
+    ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
+    lines = []
+    for r in ratios:
+        keys = [(backend, setting, name, r) for members in groups.values() for backend, name in members]
+        if not all(k in table.scores for k in keys):
+            continue
+        tasks = table.tasks(keys)
+        same = table.common(keys, tasks)
+        values = [same.score(k, tasks) for k in keys]
+        if not tasks or any(v is None for v in values):
+            continue
+        cells, means = [], []
+        for i in range(len(groups)):
+            group = values[i * len(seeds):(i + 1) * len(seeds)]
+            means.append(sum(group) / len(group))
+            cells.append(f"{means[-1]:.1f} ({min(group):.1f} - {max(group):.1f})")
+        counts = same.sample_counts(tasks)
+        lines.append(f"| {r:g} | " + " | ".join(cells) + f" | {means[1] - means[0]:+.1f} | {_count_range(counts)} |")
+    if not lines:
+        return None
+    return ("| ratio | " + " | ".join(f"{title}: mean of {len(seeds)} seeds (range)" for title in groups)
+            + " | per layer minus one for every layer (kvpress) | samples per task |\n"
+            + "|---|" + "---|" * (len(groups) + 2) + "\n" + "\n".join(lines) + "\n")
 
 
 def realised_table(table: Table, backend: str, setting: str) -> str:
@@ -509,10 +538,12 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
                          f"{samples_line(table, backend, setting, tasks)}.\n\n{text}")
         if table.ratios("kvpress", setting) and table.ratios("engine", setting):
             parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
-            for press, title in RANDOM_PRESSES.items():
-                draws = draws_table(table, setting, press)
-                if draws:
-                    parts.append(f"### random: {title} among the engine's, {setting}\n\n{draws}")
+            draws = draws_table(table, setting)
+            if draws:
+                parts.append(f"### random: kvpress's draw among the engine's, {setting}\n\n{draws}")
+            layers = random_layers_table(table, setting)
+            if layers:
+                parts.append(f"### random: one draw for every layer, or one per layer, {setting}\n\n{layers}")
     parts.append(f"## Full cache, per task\n\n{full_table(table)}")
     parts.append(f"## The papers' claims on these numbers\n\n{claims(table)}")
     readings = []

@@ -335,11 +335,21 @@ def test_draws_table_places_kvpress_among_the_engine_draws():
     short = report.Table(two + [record(method="random:oneshot:seed=3", task="passkey", score=1.0)])
     assert report.draws_table(short, "aware").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
     assert report.draws_table(report.Table(rows[:4]), "aware") is None  # one engine draw: nothing to compare
-    # kvpress's per-layer draw (random:layers, no twin of its own) among the same engine draws
-    layers = [{**r, "method": "random:layers", "score": 0.0} for r in rows if r["backend"] == "kvpress"]
-    both = report.Table(rows + layers)
-    assert report.draws_table(both, "aware", "random:layers").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 0.0 | yes |"
-    assert report.draws_table(both, "aware").splitlines()[2] == "| 0.5 | 3 | 0.0 - 100.0 (100.0) | 50.0 | yes |"
+
+
+def test_random_layers_table_compares_one_draw_for_every_layer_with_one_per_layer():
+    """Per ratio, each group's mean and range over seeds 0-3, on the tasks every draw ran."""
+    same = {"random": 0.0, "random:seed=1": 0.5, "random:seed=2": 0.0, "random:seed=3": 0.5}
+    per_layer = {"random:layers": 1.0, "random:layers:seed=1": 0.5, "random:layers:seed=2": 1.0,
+                 "random:layers:seed=3": 0.5}
+    engine = {"random:oneshot": 1.0, "random:oneshot:seed=1": 1.0, "random:oneshot:seed=2": 0.5,
+              "random:oneshot:seed=3": 0.5}
+    rows = [record(backend="kvpress", method=m, score=v) for m, v in {**same, **per_layer}.items()]
+    rows += [record(method=m, score=v) for m, v in engine.items()]
+    rows.append(record(backend="kvpress", method="random", task="vt", score=1.0))  # a task the others lack
+    lines = report.random_layers_table(report.Table(rows), "aware").splitlines()
+    assert lines[2] == "| 0.5 | 25.0 (0.0 - 50.0) | 75.0 (50.0 - 100.0) | 75.0 (50.0 - 100.0) | +50.0 | 1 |"
+    assert report.random_layers_table(report.Table(rows[1:]), "aware") is None  # a draw missing: no table
 
 
 def test_report_names_only_the_files_it_read_records_from(tmp_path):
@@ -375,4 +385,8 @@ def test_per_layer_random_press_draws_afresh_in_every_layer():
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
     assert torch.equal(scores(ours, 3), draws[3])
     assert len({layer_seed(s, layer) for s in range(3) for layer in range(100)}) == 300
-    assert M.presses()["random:layers"].twin == "random:oneshot"
+    presses = M.presses()
+    assert presses["random:layers"].twin == "random:oneshot"
+    assert presses["random:layers:seed=2"].make().seed == presses["random:seed=2"].make().seed == 2
+    assert isinstance(presses["random:layers:seed=2"].make(), PerLayerRandomPress)
+    assert type(presses["random:seed=2"].make()) is RandomPress
