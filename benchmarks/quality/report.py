@@ -126,17 +126,33 @@ def matching(files: Sequence[Path], *, model: str, dtype: str, length: int) -> d
     return {path: records for path, records in found.items() if records}
 
 
-def method_keys(table: Table, backend: str, setting: str) -> list[tuple]:
-    """The keys of a method table: every method at the suite's ratios, the full cache once."""
+def method_keys(table: Table, backend: str, setting: str, names: Sequence[str] | None = None) -> list[tuple]:
+    """The keys of a method table: every method (or those of ``names``) at the suite's ratios, the full
+    cache once."""
     ratios = table.ratios(backend, setting)
-    return [(backend, setting, n, r) for n in table.methods(backend, setting) for r in ([0.0] if n == "full" else ratios)]
+    names = table.methods(backend, setting) if names is None else names
+    return [(backend, setting, n, r) for n in names for r in ([0.0] if n == "full" else ratios)]
 
 
-def method_table(table: Table, backend: str, setting: str) -> tuple[str, list[str]]:
-    """Markdown: one row per method, its score at each ratio and the mean; the full cache on top."""
-    ratios = table.ratios(backend, setting)
+def split_methods(table: Table, backend: str, setting: str) -> tuple[list[str], list[str]]:
+    """(methods run on every task the full cache ran, the others): a run in progress lists the second kind in
+    a table of its own instead of narrowing every method's table to the tasks it has reached."""
     names = table.methods(backend, setting)
-    keys = method_keys(table, backend, setting)
+    everything = set(table.tasks([(backend, setting, "full", 0.0)]))
+    if not everything:
+        return names, []
+    partial = [n for n in names if n != "full" and any(
+        not everything <= set(table.scores[k]) for k in method_keys(table, backend, setting, [n]) if k in table.scores)]
+    return [n for n in names if n not in partial], partial
+
+
+def method_table(table: Table, backend: str, setting: str,
+                 names: Sequence[str] | None = None) -> tuple[str, list[str]]:
+    """Markdown: one row per method (of ``names``, default all), its score at each ratio and the mean; the
+    full cache on top."""
+    ratios = table.ratios(backend, setting)
+    names = table.methods(backend, setting) if names is None else list(names)
+    keys = method_keys(table, backend, setting, names)
     tasks = table.tasks(keys)
     table = table.common(keys, tasks)  # every row over the same samples
     rows = []
@@ -157,9 +173,10 @@ def method_table(table: Table, backend: str, setting: str) -> tuple[str, list[st
     return header + "\n".join(lines) + "\n", tasks
 
 
-def samples_line(table: Table, backend: str, setting: str, tasks: Sequence[str]) -> str:
-    """How many samples per task the method table scores (those every row has)."""
-    counts = table.common(method_keys(table, backend, setting), tasks).sample_counts(tasks)
+def samples_line(table: Table, backend: str, setting: str, tasks: Sequence[str],
+                 names: Sequence[str] | None = None) -> str:
+    """How many samples per task the method table (of ``names``) scores (those every row has)."""
+    counts = table.common(method_keys(table, backend, setting, names), tasks).sample_counts(tasks)
     if counts and len(set(counts)) == 1:
         return f"{counts[0]} sample{'s' if counts[0] != 1 else ''} per task, the ones every row has"
     return "samples per task (the ones every row has): " + ", ".join(f"{t} {n}" for t, n in zip(tasks, counts))
@@ -533,9 +550,15 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
         for backend in ("engine", "kvpress"):
             if not table.ratios(backend, setting):
                 continue
-            text, tasks = method_table(table, backend, setting)
+            complete, partial = split_methods(table, backend, setting)
+            text, tasks = method_table(table, backend, setting, complete)
             parts.append(f"## {backend}, {SETTING_TITLES[setting]}\n\nTasks: {', '.join(tasks)}; "
-                         f"{samples_line(table, backend, setting, tasks)}.\n\n{text}")
+                         f"{samples_line(table, backend, setting, tasks, complete)}.\n\n{text}")
+            if partial:
+                text, tasks = method_table(table, backend, setting, ["full", *partial])
+                parts.append(f"### {backend}, {setting}: methods not yet run on every task\n\nTasks: "
+                             f"{', '.join(tasks)}; {samples_line(table, backend, setting, tasks, ['full', *partial])}"
+                             f".\n\n{text}")
         if table.ratios("kvpress", setting) and table.ratios("engine", setting):
             parts.append(f"### side by side with kvpress, {setting}\n\n{side_by_side(table, setting)}")
             draws = draws_table(table, setting)

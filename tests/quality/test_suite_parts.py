@@ -390,3 +390,19 @@ def test_per_layer_random_press_draws_afresh_in_every_layer():
     assert presses["random:layers:seed=2"].make().seed == presses["random:seed=2"].make().seed == 2
     assert isinstance(presses["random:layers:seed=2"].make(), PerLayerRandomPress)
     assert type(presses["random:seed=2"].make()) is RandomPress
+
+
+def test_a_method_not_yet_run_on_every_task_gets_a_table_of_its_own():
+    """A run in progress: H2O has reached passkey only. SnapKV's table stays over both tasks the full cache
+    ran; H2O is scored beside the full cache on passkey."""
+    rows = [record(method="full", ratio=0.0, task=t) for t in ("passkey", "vt")]
+    rows += [record(task="passkey", score=1.0), record(task="vt", score=0.0)]
+    rows += [record(method="h2o", task="passkey", score=0.0)]
+    table = report.Table(rows)
+    assert report.split_methods(table, "engine", "aware") == (["full", "snapkv"], ["h2o"])
+    text, tasks = report.method_table(table, "engine", "aware", ["full", "snapkv"])
+    assert tasks == ["passkey", "vt"] and "| snapkv | 50.0 | 50.0 |" in text and "h2o" not in text
+    text, tasks = report.method_table(table, "engine", "aware", ["full", "h2o"])
+    assert tasks == ["passkey"] and "| h2o | 0.0 | 0.0 |" in text and "| full cache | 100.0 | 100.0 |" in text
+    everything = report.Table(rows + [record(method="h2o", task="vt", score=0.0)])
+    assert report.split_methods(everything, "engine", "aware") == (["full", "snapkv", "h2o"], [])
