@@ -43,6 +43,21 @@ class Method:
         return {k: values.get(v, v) if isinstance(v, str) else v for k, v in self.options.items()}
 
 
+def random_twin(seed: int) -> str:
+    """The engine's random twin drawn with request seed ``seed``."""
+    return "random:oneshot" if seed == 0 else f"random:oneshot:seed={seed}"
+
+
+def layer_random_name(seed: int) -> str:
+    """The press name of kvpress's random press drawn per layer from ``seed``."""
+    return "random:layers" if seed == 0 else f"random:layers:seed={seed}"
+
+
+def random_press_name(seed: int) -> str:
+    """The press name of kvpress's own random press (one draw for every layer) seeded ``seed``."""
+    return "random" if seed == 0 else f"random:seed={seed}"
+
+
 FULL = Method("full", None, note="no eviction (kv_eviction: none)")
 
 DEFAULTS: tuple[Method, ...] = tuple(Method(spec, spec) for spec in (
@@ -90,7 +105,7 @@ ALTERNATIVES: tuple[Method, ...] = (
     Method("criticalkv+snapkv:max", "criticalkv+snapkv", {"pooling": "max"}, note="the CriticalKV paper's pooling"),
     # Other draws of the engine's random twin (request seeds 1-3): how far two draws of one method are apart
     # on the same samples, the yardstick for the random press's difference from its twin.
-    *(Method(f"random:oneshot:seed={seed}", "random", {"schedule": "oneshot", "seed": seed},
+    *(Method(random_twin(seed), "random", {"schedule": "oneshot", "seed": seed},
              note=f"the engine's random twin, request seed {seed}") for seed in RANDOM_SEEDS),
 )
 
@@ -124,21 +139,11 @@ def presses() -> dict[str, Press]:
               lambda: CriticalKVPress(SnapKVPress(window_size=32, kernel_size=7), epsilon=1e-4, first_stage_ratio=0.5)),
         # More draws of kvpress's random press, and the same press drawing afresh per layer as the engine
         # does (layer_random.py; not kvpress presses): what the random twin's gap comes from.
-        *(Press(f"random:seed={seed}", f"random:oneshot:seed={seed}", lambda seed=seed: RandomPress(seed=seed))
+        *(Press(random_press_name(seed), random_twin(seed), lambda seed=seed: RandomPress(seed=seed))
           for seed in RANDOM_SEEDS),
         *(Press(layer_random_name(seed), random_twin(seed), lambda seed=seed: PerLayerRandomPress(seed=seed))
           for seed in (0, *RANDOM_SEEDS)),
     )}
-
-
-def random_twin(seed: int) -> str:
-    """The engine's random twin drawn with request seed ``seed``."""
-    return "random:oneshot" if seed == 0 else f"random:oneshot:seed={seed}"
-
-
-def layer_random_name(seed: int) -> str:
-    """The press name of kvpress's random press drawn per layer from ``seed``."""
-    return "random:layers" if seed == 0 else f"random:layers:seed={seed}"
 
 
 PRESS_TWINS = {"snapkv": "snapkv", "tova": "tova:kvpress", "observed_attention": "h2o:kvpress",

@@ -348,8 +348,7 @@ def random_layers_table(table: Table, setting: str) -> str | None:
     (one draw for every layer), the same press drawn afresh per layer (layer_random.py) and the engine's
     twin (per layer), each over seeds 0-3: mean and range. The first two differ in that one thing."""
     seeds = (0, *M.RANDOM_SEEDS)
-    groups = {"kvpress, one draw for every layer": [("kvpress", "random" if s == 0 else f"random:seed={s}")
-                                                    for s in seeds],
+    groups = {"kvpress, one draw for every layer": [("kvpress", M.random_press_name(s)) for s in seeds],
               "kvpress, a draw per layer": [("kvpress", M.layer_random_name(s)) for s in seeds],
               "engine, a draw per layer": [("engine", M.random_twin(s)) for s in seeds]}
     ratios = sorted(set(table.ratios("engine", setting)) & set(table.ratios("kvpress", setting)))
