@@ -43,19 +43,25 @@ class Method:
         return {k: values.get(v, v) if isinstance(v, str) else v for k, v in self.options.items()}
 
 
+def seeded_name(base: str, seed: int) -> str:
+    """A random draw's name: ``base`` for seed 0 (the name kvpress and the engine's twin go by), else
+    ``base:seed=N``."""
+    return base if seed == 0 else f"{base}:seed={seed}"
+
+
 def random_twin(seed: int) -> str:
     """The engine's random twin drawn with request seed ``seed``."""
-    return "random:oneshot" if seed == 0 else f"random:oneshot:seed={seed}"
+    return seeded_name("random:oneshot", seed)
 
 
 def layer_random_name(seed: int) -> str:
     """The press name of kvpress's random press drawn per layer from ``seed``."""
-    return "random:layers" if seed == 0 else f"random:layers:seed={seed}"
+    return seeded_name("random:layers", seed)
 
 
 def random_press_name(seed: int) -> str:
     """The press name of kvpress's own random press (one draw for every layer) seeded ``seed``."""
-    return "random" if seed == 0 else f"random:seed={seed}"
+    return seeded_name("random", seed)
 
 
 FULL = Method("full", None, note="no eviction (kv_eviction: none)")
