@@ -135,15 +135,28 @@ def method_keys(table: Table, backend: str, setting: str, names: Sequence[str] |
 
 
 def split_methods(table: Table, backend: str, setting: str) -> tuple[list[str], list[str]]:
-    """(methods run on every task the full cache ran, the others): a run in progress lists the second kind in
-    a table of its own instead of narrowing every method's table to the tasks it has reached."""
+    """(methods the main table scores, the others): a run in progress lists a method that has not reached
+    every task the full cache ran, or an extra configuration (outside the ``defaults`` profile, e.g. another
+    random draw) that lacks a sample the profile's methods share, in a table of its own, instead of
+    narrowing every method's table to what it has reached."""
     names = table.methods(backend, setting)
     everything = set(table.tasks([(backend, setting, "full", 0.0)]))
     if not everything:
         return names, []
     partial = [n for n in names if n != "full" and any(
         not everything <= set(table.scores[k]) for k in method_keys(table, backend, setting, [n]) if k in table.scores)]
-    return [n for n in names if n not in partial], partial
+    profile = set(M.PROFILES["defaults"]) if backend == "engine" else {"full", *M.PRESS_TWINS}
+    core = [n for n in names if n in profile and n not in partial]
+    shared = _sample_tasks(table, method_keys(table, backend, setting, core))
+    partial += [n for n in names if n not in profile and n not in partial and not all(
+        shared <= _sample_tasks(table, [k]) for k in method_keys(table, backend, setting, [n]))]
+    return [n for n in names if n not in partial], [n for n in names if n in partial]
+
+
+def _sample_tasks(table: Table, keys: Sequence[tuple]) -> set[tuple[int, str]]:
+    """The (sample index, task) pairs every one of ``keys`` has."""
+    having = [{(i, t) for i, by_task in table.samples.get(k, {}).items() for t in by_task} for k in keys]
+    return set.intersection(*having) if having else set()
 
 
 def method_table(table: Table, backend: str, setting: str,
@@ -555,7 +568,7 @@ def write(files: Sequence[Path], *, model: str, dtype: str, length: int, out: Pa
                          f"{samples_line(table, backend, setting, tasks, complete)}.\n\n{text}")
             if partial:
                 text, tasks = method_table(table, backend, setting, ["full", *partial])
-                parts.append(f"### {backend}, {setting}: methods not yet run on every task\n\nTasks: "
+                parts.append(f"### {backend}, {setting}: methods not yet run on every task and sample\n\nTasks: "
                              f"{', '.join(tasks)}; {samples_line(table, backend, setting, tasks, ['full', *partial])}"
                              f".\n\n{text}")
         if table.ratios("kvpress", setting) and table.ratios("engine", setting):

@@ -406,3 +406,22 @@ def test_a_method_not_yet_run_on_every_task_gets_a_table_of_its_own():
     assert tasks == ["passkey"] and "| h2o | 0.0 | 0.0 |" in text and "| full cache | 100.0 | 100.0 |" in text
     everything = report.Table(rows + [record(method="h2o", task="vt", score=0.0)])
     assert report.split_methods(everything, "engine", "aware") == (["full", "snapkv", "h2o"], [])
+
+
+def test_an_extra_draw_with_fewer_samples_does_not_narrow_the_main_table():
+    """The defaults have samples 0 and 1, a further random draw (outside the profile) sample 0 only: the
+    main table keeps both samples (with their spread) and the draw is scored in the second table; a
+    method of the profile that lacks a sample still narrows the main table (every row, the same samples)."""
+    draw = M.random_twin(1)
+    assert draw not in M.PROFILES["defaults"]
+    rows = [record(method="full", ratio=0.0, index=i) for i in (0, 1)]
+    rows += [record(index=0, score=1.0), record(index=1, score=0.0)]
+    rows += [record(method=draw, index=0, score=1.0)]
+    table = report.Table(rows)
+    assert report.split_methods(table, "engine", "aware") == (["full", "snapkv"], [draw])
+    text, _ = report.method_table(table, "engine", "aware", ["full", "snapkv"])
+    assert "| snapkv | 50.0 ±70.7 (2) |" in text
+    with_h2o = report.Table(rows + [record(method="h2o", index=0, score=0.0)])
+    assert report.split_methods(with_h2o, "engine", "aware") == (["full", "snapkv", "h2o", draw], [])
+    text, _ = report.method_table(with_h2o, "engine", "aware", ["full", "snapkv", "h2o", draw])
+    assert "| snapkv | 100.0 |" in text
