@@ -421,6 +421,9 @@ def test_an_extra_draw_with_fewer_samples_does_not_narrow_the_main_table():
     assert report.split_methods(table, "engine", "aware") == (["full", "snapkv"], [draw])
     text, _ = report.method_table(table, "engine", "aware", ["full", "snapkv"])
     assert "| snapkv | 50.0 ±70.7 (2) |" in text
+    # the best-method claim reads the main table too, not the draw's one sample
+    assert ("aware: best method at ratio 0.5 within 5 points of the full cache: snapkv 50.0 vs 100.0 fails"
+            in report.claims(table))
     with_h2o = report.Table(rows + [record(method="h2o", index=0, score=0.0)])
     assert report.split_methods(with_h2o, "engine", "aware") == (["full", "snapkv", "h2o", draw], [])
     text, _ = report.method_table(with_h2o, "engine", "aware", ["full", "snapkv", "h2o", draw])
