@@ -153,8 +153,8 @@ def split_methods(table: Table, backend: str, setting: str) -> tuple[list[str], 
     return [n for n in names if n not in partial], [n for n in names if n in partial]
 
 
-def _sample_tasks(table: Table, keys: Sequence[tuple]) -> set[tuple[int, str]]:
-    """The (sample index, task) pairs every one of ``keys`` has."""
+def _sample_tasks(table: Table, keys: Sequence[tuple]) -> set[tuple[tuple[int, int], str]]:
+    """The (sample, task) pairs every one of ``keys`` has (a sample: task seed, index)."""
     having = [{(i, t) for i, by_task in table.samples.get(k, {}).items() for t in by_task} for k in keys]
     return set.intersection(*having) if having else set()
 
