@@ -148,8 +148,8 @@ def split_methods(table: Table, backend: str, setting: str) -> tuple[list[str], 
     profile = set(M.PROFILES["defaults"]) if backend == "engine" else {"full", *M.PRESS_TWINS}
     core = [n for n in names if n in profile and n not in partial]
     shared = _sample_tasks(table, method_keys(table, backend, setting, core))
-    partial += [n for n in names if n not in profile and n not in partial and not all(
-        shared <= _sample_tasks(table, [k]) for k in method_keys(table, backend, setting, [n]))]
+    partial += [n for n in names if n not in profile and n not in partial
+                and not shared <= _sample_tasks(table, method_keys(table, backend, setting, [n]))]
     return [n for n in names if n not in partial], [n for n in names if n in partial]
 
 
